@@ -1,0 +1,29 @@
+"""divtrace: find where an inference run and a training run of the same model first diverge, bit for bit.
+
+record -> trace -> compare/bisect -> repro -> verify. Heavy pieces are imported lazily so `import divtrace`
+stays light.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["record", "open_trace", "bisect", "DivtraceError", "__version__"]
+
+
+def __getattr__(name):
+    if name == "record":
+        from divtrace.recorder import record
+
+        return record
+    if name == "open_trace":
+        from divtrace.trace.reader import open_trace
+
+        return open_trace
+    if name == "bisect":
+        from divtrace.compare.bisect import bisect
+
+        return bisect
+    if name == "DivtraceError":
+        from divtrace.errors import DivtraceError
+
+        return DivtraceError
+    raise AttributeError(f"module 'divtrace' has no attribute {name!r}")

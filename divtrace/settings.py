@@ -1,0 +1,62 @@
+"""The numerics-relevant global settings of a run, so bisect can say which ones differ."""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+
+def _safe(fn, default=None):
+    try:
+        return fn()
+    except Exception:  # a backend missing from this build is not an error
+        return default
+
+
+def numerics_settings() -> dict:
+    """A flat dict of every setting that can change the bits a kernel produces."""
+    cuda = torch.backends.cuda
+    return {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_allow_tf32": _safe(lambda: cuda.matmul.allow_tf32),
+        "cudnn_allow_tf32": _safe(lambda: torch.backends.cudnn.allow_tf32),
+        "cudnn_deterministic": _safe(lambda: torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": _safe(lambda: torch.backends.cudnn.benchmark),
+        "allow_fp16_reduced_precision_reduction": _safe(lambda: cuda.matmul.allow_fp16_reduced_precision_reduction),
+        "allow_bf16_reduced_precision_reduction": _safe(lambda: cuda.matmul.allow_bf16_reduced_precision_reduction),
+        "num_threads": torch.get_num_threads(),
+        "num_interop_threads": _safe(torch.get_num_interop_threads),
+        "sdp_flash": _safe(cuda.flash_sdp_enabled),
+        "sdp_mem_efficient": _safe(cuda.mem_efficient_sdp_enabled),
+        "sdp_math": _safe(cuda.math_sdp_enabled),
+        "sdp_cudnn": _safe(cuda.cudnn_sdp_enabled),
+        "mkldnn_enabled": _safe(lambda: torch.backends.mkldnn.enabled),
+        "default_dtype": str(torch.get_default_dtype()),
+    }
+
+
+def run_environment(device: str) -> dict:
+    env = {"torch_version": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+           "device": device}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["cuda_device_name"] = _safe(lambda: torch.cuda.get_device_name(torch.device(device)))
+        env["cuda_version"] = torch.version.cuda
+    return env
+
+
+def settings_diff(a: dict, b: dict) -> list[dict]:
+    """The settings whose values differ, as [{"name", "a", "b"}]."""
+    return [{"name": k, "a": a.get(k), "b": b.get(k)} for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+# Settings that repro scripts can re-apply per side, and how (name -> python statement template).
+APPLICABLE = {
+    "float32_matmul_precision": "torch.set_float32_matmul_precision({v!r})",
+    "num_threads": "torch.set_num_threads({v!r})",
+    "cuda_matmul_allow_tf32": "torch.backends.cuda.matmul.allow_tf32 = {v!r}",
+    "cudnn_allow_tf32": "torch.backends.cudnn.allow_tf32 = {v!r}",
+    "allow_fp16_reduced_precision_reduction": "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = {v!r}",
+    "allow_bf16_reduced_precision_reduction": "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = {v!r}",
+}
