@@ -78,7 +78,7 @@ class Recorder:
     """The context manager returned by `divtrace.record`."""
 
     def __init__(self, model, path, *, mode="full", ops=True, label=None, include=None, exclude=None,
-                 overwrite=False, shard_bytes=128 << 20):
+                 overwrite=False, shard_bytes=128 << 20, extra_meta=None):
         if not isinstance(model, torch.nn.Module):
             raise DivtraceError(f"record() needs a torch.nn.Module, got {type(model).__name__}")
         if mode not in ("full", "hash"):
@@ -91,6 +91,7 @@ class Recorder:
             raise DivtraceError(f"bad include/exclude regex: {e}") from None
         self._include_src, self._exclude_src = include, exclude
         self._overwrite, self._shard_bytes = overwrite, shard_bytes
+        self._extra_meta = dict(extra_meta or {})
         self._handles: list = []
         self._stack: list = []  # (call_id | None, module): None marks an unrecorded (excluded) call
         self._excluded_depth = 0
@@ -112,7 +113,7 @@ class Recorder:
         meta = {"label": self.label, "ops": self.ops, "include": self._include_src, "exclude": self._exclude_src,
                 "model_class": type(self.model).__name__, "settings": numerics_settings(),
                 "module_tree": [[name, type(m).__name__] for name, m in self.model.named_modules()],
-                **run_environment(device)}
+                **run_environment(device), **self._extra_meta}
         self.writer = TraceWriter(self.path, mode=self.mode, meta=meta, overwrite=self._overwrite,
                                   shard_bytes=self._shard_bytes)
         _ACTIVE_MODELS.add(id(self.model))
@@ -355,7 +356,7 @@ class _OpMode(TorchDispatchMode):
 
 
 def record(model, path, *, mode="full", ops=True, label=None, include=None, exclude=None, overwrite=False,
-           shard_bytes=128 << 20) -> Recorder:
+           shard_bytes=128 << 20, extra_meta=None) -> Recorder:
     """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
 
     Example::
@@ -364,4 +365,4 @@ def record(model, path, *, mode="full", ops=True, label=None, include=None, excl
             model(input_ids)
     """
     return Recorder(model, path, mode=mode, ops=ops, label=label, include=include, exclude=exclude,
-                    overwrite=overwrite, shard_bytes=shard_bytes)
+                    overwrite=overwrite, shard_bytes=shard_bytes, extra_meta=extra_meta)

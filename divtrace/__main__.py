@@ -1,0 +1,5 @@
+import sys
+
+from divtrace.cli.app import main
+
+sys.exit(main())

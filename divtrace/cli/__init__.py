@@ -1,0 +1,1 @@
+"""The divtrace command line: one module per command, thin over the library, printing through `output`."""

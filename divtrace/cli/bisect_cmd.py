@@ -1,0 +1,114 @@
+"""divtrace bisect: the first divergence between two traces, localized to module and op."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from divtrace.cli.output import Output
+
+
+def render_bisect(o: Output, r) -> None:
+    d = r.to_dict()
+    la, lb = r.labels
+    if r.verdict == "identical":
+        o.passed(f"identical: {r.compared} tensor pairs compared, every one bitwise equal (dtype, shape and bytes) "
+                 f"[{la} vs {lb}]")
+    elif r.verdict == "within_tolerance":
+        o.passed(f"within tolerance: {r.compared} tensor pairs compared, {r.bitwise_differs} differ bitwise but "
+                 f"all pass {d['tolerance']}")
+    else:
+        f = r.first
+        where = f.module or "<root>"
+        ops = f" op {f.op}" + (f" (a) / {f.op_b} (b)" if f.op_b and f.op_b != f.op else "") if f.op or f.op_b else ""
+        o.failed(f"diverged: first divergence originates in {where} call {f.call}{ops} [cause: {f.cause}]")
+    for w in r.warnings:
+        o.warn(w)
+    if r.first is not None:
+        f = d["first"]
+        rows = [["module", f"{f['module'] or '<root>'} (call {f['call']})"
+                 + (f"  [b: {f['module_b']}]" if f["module_b"] not in (None, f["module"]) else "")],
+                ["op", f"a: {f['op'] or '-'} (record {f['index']})   b: {f['op_b'] or '-'}"
+                 + (f" (record {f['index_b']})" if f["index_b"] is not None else "")],
+                ["cause", f["cause"] + ("  (inputs bitwise equal, output differs)" if f["cause"] == "origin"
+                                        else "  (inputs already differ; could not go further)")],
+                ["tensor", f"{f['tensor']}  {f['dtype']} {f['shape']}"]]
+        if f["metrics_available"]:
+            rows += [["mismatched", f"{f['mismatched']} of {f['numel']} elements"],
+                     ["max abs / max rel", f"{f['max_abs']:.6g} / {f['max_rel']:.6g}" if f["max_abs"] is not None else "-"],
+                     ["max ULP", f["max_ulp"]],
+                     ["first mismatch", f"index {f['first_index']}: a={f['first_a']} ({f['first_a_bits']})  "
+                                        f"b={f['first_b']} ({f['first_b_bits']})"]]
+        else:
+            rows.append(["metrics", "unavailable (hash-only trace)"])
+        o.table("first divergence", ["", ""], rows)
+        if f["region_a"] or f["region_b"]:
+            o.table("where the op sequences part (each side's ops from the last shared values to the differing tensor)",
+                    ["side", "ops"],
+                    [["a", ", ".join(x["op"].removeprefix("aten.") for x in f["region_a"]) or "-"],
+                     ["b", ", ".join(x["op"].removeprefix("aten.") for x in f["region_b"]) or "-"]])
+    if r.hint:
+        o.line(f"hint: {r.hint}")
+    if r.settings:
+        o.table("settings that differ", ["setting", la, lb], [[s["name"], s["a"], s["b"]] for s in r.settings])
+    if r.next:
+        o.table("next diverging records", ["record", "module", "call", "cause", "tensor", "max abs", "max ULP"],
+                [[n["index"], n["module"] or "<root>", n["call"], n["cause"], n["tensor"], n["max_abs"], n["max_ulp"]]
+                 for n in d["next"]])
+    if r.final:
+        fin = r.final
+        o.table("final mismatch (root output " + str(fin.get("tensor")) + ")", ["metric", "value"],
+                [["bitwise identical", fin.get("identical")],
+                 ["max |dlogprob|", fin.get("max_abs_logprob_diff")],
+                 [f"KL({fin.get('kl_direction', 'a||b')}) per position", fin.get("kl")],
+                 ["argmax agreement", fin.get("argmax_agreement")]])
+    if sum(r.unmatched.values()):
+        o.line(f"unmatched module calls: {r.unmatched['a']} only in a, {r.unmatched['b']} only in b "
+               "(use --map FILE if the stacks name modules differently)")
+
+
+def bisect(
+    a: Annotated[Path, typer.Argument(help="trace of side a (e.g. training)")],
+    b: Annotated[Path, typer.Argument(help="trace of side b (e.g. inference)")],
+    json_out: Annotated[bool, typer.Option("--json", help="machine-readable result (see CONTRACT)")] = False,
+    atol: Annotated[Optional[float], typer.Option(help="opt-in absolute tolerance")] = None,
+    rtol: Annotated[Optional[float], typer.Option(help="opt-in relative tolerance")] = None,
+    ulp: Annotated[Optional[int], typer.Option(help="opt-in tolerance in ULPs")] = None,
+    map_file: Annotated[Optional[Path], typer.Option("--map", help="YAML regex renames of module paths")] = None,
+    next_n: Annotated[int, typer.Option("--next", help="how many further diverging records to list")] = 5,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="write a PNG of where the runs part, per record")] = None,
+    html: Annotated[Optional[Path], typer.Option("--html", help="write an HTML report of the same")] = None,
+):
+    """Find the first divergence between two traces: the module and aten op where it originates.
+
+    Comparison is bitwise (dtype, shape and raw bytes; -0.0 != 0.0, NaNs by their bits) unless --atol,
+    --rtol or --ulp is given. Exit 0 identical, 1 diverged, 2 bad input.
+
+    \b
+    Examples:
+      divtrace bisect runs/train runs/infer
+      divtrace bisect runs/train runs/infer --json
+      divtrace bisect runs/train runs/infer --map names.yaml --ulp 2
+      divtrace bisect runs/train runs/infer --plot parting.png
+    """
+    from divtrace.compare.align import PathMap
+    from divtrace.compare.bisect import bisect as run_bisect
+    from divtrace.compare.metrics import Tolerance
+
+    o = Output(json_out)
+    tol = Tolerance(atol=atol, rtol=rtol, ulp=ulp)
+    path_map = PathMap.from_file(map_file) if map_file else None
+    r = run_bisect(a, b, tol=tol, path_map=path_map, n_next=next_n)
+    if plot is not None or html is not None:
+        from divtrace.compare.plot import write_plots
+
+        write_plots(a, b, r, png=plot, html=html, path_map=path_map)
+    if json_out:
+        o.json(r.to_dict())
+    else:
+        render_bisect(o, r)
+        for p in (plot, html):
+            if p is not None:
+                o.line(f"wrote {p}")
+    return r.exit_code

@@ -1,0 +1,84 @@
+"""The one output layer: rich text for people, `--json` for machines, greppable PASSED/FAILED lines."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _json_default(x):
+    if isinstance(x, tuple):
+        return list(x)
+    return str(x)
+
+
+def _clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return repr(x)
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+class Output:
+    def __init__(self, json_mode: bool = False):
+        self.json_mode = json_mode
+        self.console = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
+        self.err = Console(stderr=True, highlight=False)
+
+    def json(self, obj) -> None:
+        sys.stdout.write(json.dumps(_clean(obj), indent=2, default=_json_default, allow_nan=False) + "\n")
+
+    def print(self, *args, **kw) -> None:
+        if not self.json_mode:
+            self.console.print(*args, **kw)
+
+    def line(self, text: str) -> None:
+        """A plain, unstyled line (markup off) so names with brackets print as they are."""
+        if not self.json_mode:
+            self.console.print(text, markup=False, highlight=False)
+
+    def passed(self, text: str) -> None:
+        if not self.json_mode:
+            self.console.print(f"[bold green]PASSED[/]: {_esc(text)}")
+
+    def failed(self, text: str) -> None:
+        if not self.json_mode:
+            self.console.print(f"[bold red]FAILED[/]: {_esc(text)}")
+
+    def warn(self, text: str) -> None:
+        self.err.print(f"[yellow]warning[/]: {_esc(text)}")
+
+    def table(self, title: str | None, columns: list[str], rows: list[list]) -> None:
+        if self.json_mode:
+            return
+        t = Table(title=title, title_justify="left", show_lines=False)
+        for c in columns:
+            t.add_column(c, overflow="fold")
+        for r in rows:
+            t.add_row(*[_esc(_fmt(v)) for v in r])
+        self.console.print(t)
+
+
+def _esc(s: str) -> str:
+    from rich.markup import escape
+
+    return escape(str(s))
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def error(message: str) -> None:
+    """The single place errors are printed: one line on stderr."""
+    sys.stderr.write(f"divtrace: error: {message}\n")

@@ -1,0 +1,65 @@
+"""divtrace record: run ENTRY under `divtrace.record` into a trace directory."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from divtrace.cli.output import Output
+from divtrace.errors import DivtraceError
+
+
+def record(
+    entry: Annotated[str, typer.Argument(help="path/file.py:function or pkg.module:function returning (model, inputs)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="trace directory to create")],
+    mode: Annotated[str, typer.Option(help="full (tensors) or hash (bit-exact fingerprints only)")] = "full",
+    no_ops: Annotated[bool, typer.Option("--no-ops", help="record module boundaries only, not aten ops")] = False,
+    include: Annotated[Optional[str], typer.Option(help="regex over module paths: record only these (and their children)")] = None,
+    exclude: Annotated[Optional[str], typer.Option(help="regex over module paths: skip these subtrees")] = None,
+    label: Annotated[Optional[str], typer.Option(help="run label, e.g. train or infer (default: directory name)")] = None,
+    arg: Annotated[Optional[list[str]], typer.Option("--arg", help="key=value passed to the ENTRY function (repeatable)")] = None,
+    grad_mode: Annotated[str, typer.Option(help="no_grad, inference or grad")] = "no_grad",
+    overwrite: Annotated[bool, typer.Option(help="replace a trace already in --out")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="machine-readable summary")] = False,
+):
+    """Record one run of ENTRY (every module call and aten op) into a trace.
+
+    ENTRY's function returns (model, inputs); divtrace runs model(*inputs), or model(**inputs) for a dict,
+    under torch.no_grad() by default. Record each side in its own process.
+
+    \b
+    Examples:
+      divtrace record examples/llama_pair.py:training --out runs/train --arg dtype=bf16
+      divtrace record examples/llama_pair.py:inference --out runs/infer --arg variant=sdpa --mode hash
+      divtrace record mypkg.debug:build_engine_side --out runs/infer --include '^model\\.layers\\.0\\.' --mode full
+    """
+    from divtrace.entry import parse_args, record_entry
+    from divtrace.trace.reader import Trace
+
+    o = Output(json_out)
+    kwargs = parse_args(arg)
+    try:
+        elapsed = record_entry(entry, out, args=kwargs, mode=mode, ops=not no_ops, include=include, exclude=exclude,
+                               label=label or out.name, overwrite=overwrite, grad_mode=grad_mode)
+    except DivtraceError:
+        raise
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        if (out / "meta.json").exists():
+            raise DivtraceError(f"ENTRY {entry} raised {type(e).__name__}: {e}; the partial trace in {out} is marked "
+                                "incomplete") from None
+        raise DivtraceError(f"ENTRY {entry} raised {type(e).__name__}: {e}") from None
+    t = Trace(out)
+    n_ops = sum(1 for r in t.records if r.kind == "op")
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    summary = {"trace": str(out), "records": len(t.records), "ops": n_ops, "module_calls": len(t.calls),
+               "values": len(t.values), "bytes": size, "mode": t.mode, "forward_seconds": elapsed,
+               "complete": t.complete}
+    if json_out:
+        o.json(summary)
+    else:
+        o.line(f"recorded {len(t.records)} records ({n_ops} ops, {len(t.calls)} module calls) into {out} "
+               f"[{t.mode} mode, {size / 1e6:.2f} MB, forward {elapsed:.3f} s]")
+    return 0
