@@ -31,17 +31,56 @@ VALUE_PRESERVING = {
 }
 
 
+def _finfo(name: str):
+    import torch
+
+    from divtrace.trace.reader import torch_dtype
+
+    d = torch_dtype(name)
+    return torch.finfo(d) if d.is_floating_point else None
+
+
+def cast_rounds(dtype_in: str, dtype_out: str) -> bool:
+    """Whether a cast can change values: to a float with less precision or range, float to int, or int to a
+    16-bit-or-narrower float (positions in bf16 round above 256). Widening casts are exact."""
+    if dtype_in == dtype_out:
+        return False
+    fi, fo = _finfo(dtype_in), _finfo(dtype_out)
+    if fo is None:
+        return fi is not None or dtype_out != "torch.bool"
+    if fi is None:
+        return dtype_in != "torch.bool" and fo.bits <= 16
+    return fo.eps > fi.eps or fo.max < fi.max or fo.tiny > fi.tiny
+
+
 def is_computing(rec: OpRecord, trace: Trace) -> bool:
-    """False for ops that only rearrange values; casts count as computing only when they change dtype."""
+    """False for ops that only rearrange values, and for casts that cannot round."""
     parts = rec.op.split(".")
     name = parts[1] if len(parts) >= 2 else rec.op
     if name not in VALUE_PRESERVING:
         return True
     if name in ("_to_copy", "copy_", "copy"):
-        dts_in = {trace.values[v].dtype for v in rec.inputs}
-        dts_out = {trace.values[v].dtype for v in rec.outputs}
-        return dts_in != dts_out
+        dts_in = [trace.values[v].dtype for v in rec.inputs]
+        dts_out = [trace.values[v].dtype for v in rec.outputs]
+        src = dts_in[-1] if name == "copy_" and len(dts_in) > 1 else (dts_in[0] if dts_in else None)
+        return src is not None and any(cast_rounds(src, d) for d in dts_out)
     return False
+
+
+def constant_derived(trace: Trace, index: int, memo: dict) -> bool:
+    """True for ops computed from constants alone (a causal mask from `full`+`triu`, an `arange`): they carry
+    no data from the inputs, so they are never where two computations of the data part."""
+    if index in memo:
+        return memo[index]
+    memo[index] = False  # cycles cannot happen, but a deep chain must not recurse forever
+    result = True
+    for vid in trace.records[index].inputs:
+        p = trace.values[vid].producer
+        if p is None or not constant_derived(trace, p, memo):
+            result = False
+            break
+    memo[index] = result
+    return result
 
 
 @dataclass
@@ -208,8 +247,8 @@ class _Walker:
         reg_b = self.region(self.b, cb, vb, self._span_hashes(self.a, ca))
         d.region_a = [(i, self.a.records[i].op) for i in reg_a]
         d.region_b = [(i, self.b.records[i].op) for i in reg_b]
-        part_a = next((i for i in reg_a if is_computing(self.a.records[i], self.a)), reg_a[0] if reg_a else None)
-        part_b = next((i for i in reg_b if is_computing(self.b.records[i], self.b)), reg_b[0] if reg_b else None)
+        part_a = self._parting(self.a, reg_a)
+        part_b = self._parting(self.b, reg_b)
         if part_a is None and part_b is None:
             return d
         d.kind = "op"
@@ -224,6 +263,12 @@ class _Walker:
                 d.tensor = f"output of {d.op}"
                 self._fill(d, oa[0], ob[0])
         return d
+
+    @staticmethod
+    def _parting(t: Trace, region: list[int]) -> int | None:
+        memo: dict = {}
+        data = [i for i in region if not constant_derived(t, i, memo)]
+        return next((i for i in data if is_computing(t.records[i], t)), (data or region or [None])[0])
 
     def _divergence(self, ca, cb, va, vb, what, cause) -> Divergence:
         d = Divergence(index=ca.exit_index if ca.exit_index is not None else ca.enter_index, module=ca.module,
