@@ -34,7 +34,9 @@ def render_bisect(o: Output, r) -> None:
                 ["cause", f["cause"] + ("  (inputs bitwise equal, output differs)" if f["cause"] == "origin"
                                         else "  (inputs already differ; could not go further)")],
                 ["tensor", f"{f['tensor']}  {f['dtype']} {f['shape']}"]]
-        if f["metrics_available"]:
+        if f["reason"]:
+            rows.append(["differs in", f["reason"]])
+        if f["metrics_available"] and f["mismatched"] is not None:
             rows += [["mismatched", f"{f['mismatched']} of {f['numel']} elements"],
                      ["max abs / max rel", f"{f['max_abs']:.6g} / {f['max_rel']:.6g}" if f["max_abs"] is not None else "-"],
                      ["max ULP", f["max_ulp"]],

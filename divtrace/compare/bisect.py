@@ -111,7 +111,7 @@ class Divergence:
              "region_a": [{"index": i, "op": o} for i, o in self.region_a],
              "region_b": [{"index": i, "op": o} for i, o in self.region_b]}
         m = self.diff.to_dict() if self.diff is not None else {}
-        for k in ("max_abs", "max_ulp", "max_rel", "mismatched", "nan_mismatch", "first_index", "first_a", "first_b",
+        for k in ("reason", "max_abs", "max_ulp", "max_rel", "mismatched", "nan_mismatch", "first_index", "first_a", "first_b",
                   "first_a_bits", "first_b_bits"):
             d[k] = m.get(k)
         d["metrics_available"] = self.diff is not None
