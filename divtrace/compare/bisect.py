@@ -329,6 +329,10 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
     """Compare two traces (paths or `Trace`s) and localize their first divergence."""
     ta = a if isinstance(a, Trace) else Trace(a)
     tb = b if isinstance(b, Trace) else Trace(b)
+    for t in (ta, tb):
+        if not t.calls:
+            raise DivtraceError(f"{t.path}: the trace holds no module calls (was the recorded model called inside "
+                                "the record block?)")
     pairing = Pairing(ta, tb, path_map)
     nonroot = lambda keys: {k for k in keys if k[0] != ""}
     if not pairing.common or (nonroot(pairing.by_key_a) and nonroot(pairing.by_key_b)
