@@ -44,7 +44,7 @@ def render_bisect(o: Output, r) -> None:
                                         f"b={f['first_b']} ({f['first_b_bits']})"]]
         else:
             rows.append(["metrics", "unavailable (hash-only trace)"])
-        o.table("first divergence", ["", ""], rows)
+        o.table("first divergence", ["field", "value"], rows)
         if f["region_a"] or f["region_b"]:
             o.table("where the op sequences part (each side's ops from the last shared values to the differing tensor)",
                     ["side", "ops"],
