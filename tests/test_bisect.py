@@ -215,3 +215,20 @@ def test_settings_that_differ_are_reported(tmp_path):
         torch.set_num_threads(old)
     r = divtrace.bisect(a, b)
     assert any(s["name"] == "num_threads" for s in r.settings)
+
+
+@pytest.mark.parametrize("narrow_side", ["a", "b"])
+def test_whole_trace_against_narrowed_trace(tmp_path, narrow_side):
+    """One side re-recorded with include= (as the hash-mode hint suggests) still localizes, never crashes."""
+    from helpers import load_example
+
+    ex = load_example()
+    inc = r"^model\.layers\.0\.self_attn$"
+    kw_a = {"include": inc} if narrow_side == "a" else {}
+    kw_b = {"include": inc} if narrow_side == "b" else {}
+    record_model(*ex.training(dtype="bf16"), tmp_path / "a", **kw_a)
+    record_model(*ex.inference(dtype="bf16", variant="sdpa"), tmp_path / "b", **kw_b)
+    r = divtrace.bisect(tmp_path / "a", tmp_path / "b")
+    assert r.verdict == "diverged"
+    assert (r.first.module, r.first.op, r.first.op_b) == PLANTED["sdpa"][:1] + PLANTED["sdpa"][2:]
+    assert r.unmatched[narrow_side] == 0 and r.unmatched["b" if narrow_side == "a" else "a"] > 0

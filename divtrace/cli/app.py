@@ -10,7 +10,6 @@ from divtrace.errors import DivtraceError
 
 app = typer.Typer(
     name="divtrace", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-    rich_markup_mode=None,
     help="Find where an inference run and a training run of the same model first diverge, bit for bit.\n\n"
          "Workflow: record each side -> bisect -> repro -> verify a fix.",
 )
@@ -46,11 +45,27 @@ def _register() -> None:
 _register()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _click_exceptions():
+    """(ClickException, Exit, Abort) classes, from plain click and from the click copy newer typer bundles."""
     import click
 
+    found = {"ClickException": [click.ClickException], "Exit": [click.exceptions.Exit, typer.Exit],
+             "Abort": [click.exceptions.Abort, typer.Abort]}
+    try:
+        import typer._click.exceptions as bundled
+
+        for name in found:
+            if hasattr(bundled, name):
+                found[name].append(getattr(bundled, name))
+    except ImportError:
+        pass
+    return tuple(tuple(set(v)) for v in (found["ClickException"], found["Exit"], found["Abort"]))
+
+
+def main(argv: list[str] | None = None) -> int:
     from divtrace.cli.output import error
 
+    click_error, click_exit, click_abort = _click_exceptions()
     debug = os.environ.get("DIVTRACE_DEBUG") == "1"
     try:
         rv = app(args=argv, standalone_mode=False)
@@ -60,14 +75,18 @@ def main(argv: list[str] | None = None) -> int:
             raise
         error(str(e))
         code = e.exit_code
-    except click.exceptions.Exit as e:
-        code = e.exit_code
-    except click.exceptions.Abort:
+    except click_exit as e:
+        code = getattr(e, "exit_code", getattr(e, "code", 0)) or 0
+    except click_abort:
         error("aborted")
         code = 130
-    except click.ClickException as e:
-        error(e.format_message().replace("\n", " "))
-        code = 2
+    except click_error as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `divtrace`: show the help, as click would
+            sys.stdout.write(e.format_message() + "\n")
+            code = 0
+        else:
+            error(" ".join(e.format_message().split()))
+            code = 2
     except KeyboardInterrupt:
         error("interrupted")
         code = 130

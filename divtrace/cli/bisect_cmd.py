@@ -71,8 +71,8 @@ def render_bisect(o: Output, r) -> None:
 
 
 def bisect(
-    a: Annotated[Path, typer.Argument(help="trace of side a (e.g. training)")],
-    b: Annotated[Path, typer.Argument(help="trace of side b (e.g. inference)")],
+    a: Annotated[Path, typer.Argument(metavar="A", help="trace of side a (e.g. training)")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="trace of side b (e.g. inference)")],
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable result (see CONTRACT)")] = False,
     atol: Annotated[Optional[float], typer.Option(help="opt-in absolute tolerance")] = None,
     rtol: Annotated[Optional[float], typer.Option(help="opt-in relative tolerance")] = None,

@@ -11,7 +11,7 @@ from divtrace.errors import DivtraceError
 
 
 def record(
-    entry: Annotated[str, typer.Argument(help="path/file.py:function or pkg.module:function returning (model, inputs)")],
+    entry: Annotated[str, typer.Argument(metavar="ENTRY", help="path/file.py:function or pkg.module:function returning (model, inputs)")],
     out: Annotated[Path, typer.Option("--out", "-o", help="trace directory to create")],
     mode: Annotated[str, typer.Option(help="full (tensors) or hash (bit-exact fingerprints only)")] = "full",
     no_ops: Annotated[bool, typer.Option("--no-ops", help="record module boundaries only, not aten ops")] = False,

@@ -23,7 +23,7 @@ def trace_summary(t) -> dict:
 
 
 def show(
-    trace: Annotated[Path, typer.Argument(help="trace directory")],
+    trace: Annotated[Path, typer.Argument(metavar="TRACE", help="trace directory")],
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     check: Annotated[bool, typer.Option("--check", help="verify every stored tensor against its fingerprint")] = False,
 ):

@@ -314,15 +314,26 @@ def _hint(a: Trace, b: Trace, first: Divergence | None) -> str | None:
         return None
     inc = "^" + re.escape(first.module) + "$"
     cmds = []
-    for t, side in ((a, "a"), (b, "b")):
-        if t.mode == "full":
-            continue
+    for t, side in ((a, "a"), (b, "b")):  # both sides: a repro needs the values of each
         entry = t.meta.get("entry")
         args = " ".join(f"--arg {shlex.quote(f'{k}={v}')}" for k, v in (t.meta.get("entry_args") or {}).items())
         target = f"{entry} {args}".strip() if entry else "ENTRY"
         cmds.append(f"divtrace record {target} --mode full --include {shlex.quote(inc)} --out {shlex.quote(str(t.path) + '-full')}")
     return ("value metrics need tensors; re-record the diverging module in full mode: " + " ; ".join(cmds)
             + (" (or in Python: divtrace.record(model, path, mode='full', include=" + repr(inc) + "))"))
+
+
+def _top_pairs(ta: Trace, pairing: Pairing):
+    """Aligned call pairs whose parents are not aligned with each other: the roots of the walk. Usually the two
+    roots; when one side was recorded with include= they are the narrowed calls."""
+    for ca in sorted(ta.calls.values(), key=lambda c: c.enter_index):
+        cb = pairing.partner(ca)
+        if cb is None:
+            continue
+        pa = ta.calls[ca.parent] if ca.parent is not None else None
+        pb = pairing.partner(pa) if pa is not None else None
+        if pb is None or pb.call_id != cb.parent:
+            yield ca, cb
 
 
 def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = None, n_next: int = 5) -> BisectResult:
@@ -347,10 +358,8 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
                 + (f", {t.meta['error']}" if t.meta.get("error") else "") + "): only what ran before it stopped is compared"
                 for t in (ta, tb) if not t.complete]
     first = None
-    roots = sorted((c for c in ta.calls.values() if c.parent is None), key=lambda c: c.enter_index)
-    for ra in roots:
-        rb = pairing.partner(ra)
-        if rb is not None and rb.parent is None and walker.differs(ra, rb):
+    for ra, rb in _top_pairs(ta, pairing):
+        if walker.differs(ra, rb):
             first = walker.localize(ra, rb)
             break
     # Sweep every aligned call (and same-sequence ops) so "identical" really means every compared tensor.
@@ -375,12 +384,19 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
         cause = "propagated" if cmp.first_mismatch(ca.inputs, cb.inputs) is not None else "origin"
         d = walker._divergence(ca, cb, m[1], m[2], m[0], cause)
         nxt.append(d)
+    if first is None and cmp.bitwise_differs and cmp.tol is None:
+        # Differences the tree walk could not reach (calls that pair up under different parents): report the
+        # earliest differing call rather than ever calling the runs identical.
+        first = nxt.pop(0) if nxt else None
+        warnings.append("the call trees of the two traces do not nest the same way; the first divergence is the "
+                        "earliest differing call, not localized further")
     if first is None and cmp.bitwise_differs:
         verdict = "within_tolerance" if cmp.tol is not None else "diverged"
     else:
         verdict = "diverged" if first is not None else "identical"
     if verdict == "diverged" and first is None:
-        raise AssertionError("bitwise differences found but not localized")
+        raise DivtraceError(f"{ta.path} vs {tb.path}: tensors differ but no aligned module call differs; "
+                            "cannot localize (please report this)")
     env_keys = ("torch_version", "device", "cuda_device_name")
     sets = settings_diff({**ta.meta.get("settings", {}), **{k: ta.meta.get(k) for k in env_keys}},
                          {**tb.meta.get("settings", {}), **{k: tb.meta.get(k) for k in env_keys}})
