@@ -1,0 +1,205 @@
+"""--profile: how fast side a, side b and the patch are, and how close to the machine's copy bandwidth.
+
+Each candidate is timed inside one `run_side` call (so its side's settings hold) in blocks of iterations, and the
+blocks of the three candidates are interleaved over several rounds so that a noisy neighbour slows all of them
+alike. CUDA: CUDA events around each iteration. CPU: perf_counter with torch.set_num_threads(threads) (1 unless the
+user asks otherwise) for the duration of the timing. Ratios are throughputs: "patch: 93% of side b" means the
+patch does 0.93x the work per second that side b does.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from divtrace.verify.checks import Side, flatten
+
+ROUNDS = 5
+
+
+def device_of(inputs: dict) -> torch.device:
+    for v in inputs.values():
+        if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+            return v.device
+    return torch.device("cpu")
+
+
+class _Timer:
+    """Per-iteration seconds of fn(*args) on `device`."""
+
+    def __init__(self, device: torch.device, threads: int | None):
+        self.cuda = device.type == "cuda"
+        self.threads = threads
+
+    def block(self, fn, args, kwargs, iters: int) -> list[float]:
+        prev = torch.get_num_threads()
+        if self.threads and not self.cuda:
+            torch.set_num_threads(self.threads)
+        try:
+            if self.cuda:
+                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(iters)]
+                torch.cuda.synchronize()
+                for s, e in ev:
+                    s.record()
+                    fn(*args, **kwargs)
+                    e.record()
+                torch.cuda.synchronize()
+                return [s.elapsed_time(e) / 1e3 for s, e in ev]
+            out = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn(*args, **kwargs)
+                out.append(time.perf_counter() - t0)
+            return out
+        finally:
+            torch.set_num_threads(prev)
+
+
+def _in_side(repro, cand: Side, inputs: dict, body):
+    """Run body(fn, args, kwargs) inside run_side, so the side's settings are applied once around all of it."""
+    box = {}
+
+    @functools.wraps(cand.fn)
+    def wrapped(*args, **kwargs):
+        box["v"] = body(cand.fn, args, kwargs)
+        return cand.fn(*args, **kwargs)
+
+    repro.run(wrapped, cand.settings_side, inputs)
+    return box["v"]
+
+
+def _stats(ts: list[float]) -> dict:
+    ts = sorted(ts)
+    q = statistics.quantiles(ts, n=4) if len(ts) >= 4 else [ts[0], statistics.median(ts), ts[-1]]
+    med = statistics.median(ts)
+    return {"median_s": med, "min_s": ts[0], "p25_s": q[0], "p75_s": q[2],
+            "iqr_pct": 100 * (q[2] - q[0]) / med if med else 0.0, "iterations": len(ts)}
+
+
+def copy_bandwidth(device: torch.device, timer: _Timer, nbytes: int) -> float:
+    """GB/s of dst.copy_(src) (read + write counted), a buffer larger than the caches unless the region is bigger."""
+    n = max(nbytes, (256 << 20) if device.type == "cuda" else (32 << 20)) // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    timer.block(dst.copy_, (src,), {}, 2)
+    med = statistics.median(timer.block(dst.copy_, (src,), {}, 10))
+    return 2 * n * 4 / med / 1e9
+
+
+def _bytes(inputs: dict, out) -> int:
+    return sum(v.numel() * v.element_size() for v in inputs.values() if isinstance(v, torch.Tensor)) + sum(
+        v.numel() * v.element_size() for _, v in flatten(out) if isinstance(v, torch.Tensor))
+
+
+def _flops(repro, cand: Side, inputs: dict) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def body(fn, args, kwargs):
+        with FlopCounterMode(display=False) as fc:
+            fn(*args, **kwargs)
+        return fc.get_total_flops()
+
+    try:
+        return int(_in_side(repro, cand, inputs, body))
+    except Exception:
+        return 0
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Kineto writes profiler_start/stop lines straight to fd 2; keep them off the user's terminal."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def top_ops(repro, cand: Side, inputs: dict, device: torch.device, n_iter: int = 5, k: int = 6) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+    def body(fn, args, kwargs):
+        fn(*args, **kwargs)
+        with _quiet_stderr(), profile(activities=acts) as prof:
+            for _ in range(n_iter):
+                fn(*args, **kwargs)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        return prof.key_averages()
+
+    events = _in_side(repro, cand, inputs, body)
+    dev = device.type == "cuda"
+
+    def self_us(e):
+        if dev:
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        return e.self_cpu_time_total
+
+    rows = sorted((e for e in events if e.key.startswith(("aten::", "cuda", "void", "triton")) or dev),
+                  key=self_us, reverse=True)
+    total = sum(self_us(e) for e in rows) or 1.0
+    return [{"op": e.key, "calls_per_iter": e.count / n_iter, "self_us_per_iter": self_us(e) / n_iter,
+             "share_pct": 100 * self_us(e) / total} for e in rows[:k] if self_us(e) > 0]
+
+
+def profile_candidates(repro, cands: list[Side], inputs: dict, *, threads: int | None = 1, warmup: int = 3,
+                       min_block_s: float = 0.02, max_iters: int = 200) -> dict:
+    """Timings of each candidate on `inputs`, throughput ratios and achieved bandwidth/flops."""
+    device = device_of(inputs)
+    timer = _Timer(device, threads)
+    est = {}
+    for c in cands:  # warm-up; its timings size the blocks
+        ts = _in_side(repro, c, inputs, lambda fn, a, k: timer.block(fn, a, k, warmup))
+        est[c.label] = max(min(ts), 1e-7)
+    times = {c.label: [] for c in cands}
+    for r in range(ROUNDS):
+        for c in cands[r % len(cands):] + cands[:r % len(cands)]:  # rotate: no candidate always runs first
+            iters = int(min(max_iters, max(2, min_block_s / est[c.label])))
+            times[c.label] += _in_side(repro, c, inputs, lambda fn, a, k, n=iters: timer.block(fn, a, k, n))
+    stats = {label: _stats(ts) for label, ts in times.items()}
+    out0 = repro.run(cands[0].fn, cands[0].settings_side, inputs)
+    nbytes = _bytes(inputs, out0)
+    bw = copy_bandwidth(device, timer, nbytes)
+    for c in cands:
+        s = stats[c.label]
+        s["flops"] = _flops(repro, c, inputs)
+        s["gb_per_s"] = nbytes / s["median_s"] / 1e9
+        s["gflop_per_s"] = s["flops"] / s["median_s"] / 1e9 if s["flops"] else None
+        s["pct_of_copy_bw"] = 100 * s["gb_per_s"] / bw if bw else None
+        try:
+            s["top_ops"] = top_ops(repro, c, inputs, device)
+        except Exception as e:  # the profiler is a nicety; a build without it must not fail verify
+            s["top_ops"] = []
+            s["top_ops_error"] = f"{type(e).__name__}: {e}"
+    return {"device": str(device), "timer": "cuda events" if device.type == "cuda" else "perf_counter",
+            "threads": None if device.type == "cuda" else (threads or torch.get_num_threads()),
+            "rounds": ROUNDS, "bytes_moved": nbytes, "bytes_rule": "inputs read once + outputs written once",
+            "flops_rule": "torch.utils.flop_counter (matmul/attention/conv flops; elementwise ops count 0)",
+            "copy_bw_gb_per_s": bw, "candidates": stats}
+
+
+def ratios(stats: dict, patched_side: str | None) -> list[tuple[str, str, float]]:
+    """(who, against, throughput percent): t_against / t_who."""
+    med = {k: v["median_s"] for k, v in stats.items()}
+    if patched_side:
+        other = "b" if patched_side == "a" else "a"
+        return [("patch", f"side {patched_side}", 100 * med[f"side {patched_side}"] / med["patch"]),
+                ("patch", f"side {other}", 100 * med[f"side {other}"] / med["patch"])]
+    return [("side b", "side a", 100 * med["side a"] / med["side b"])]
