@@ -103,6 +103,8 @@ class Divergence:
     index_b: int | None = None
     region_a: list[tuple[int, str]] = field(default_factory=list)
     region_b: list[tuple[int, str]] = field(default_factory=list)
+    vid_a: int | None = None  # the differing tensor's value ids (what repro starts from)
+    vid_b: int | None = None
 
     def to_dict(self) -> dict:
         d = {"index": self.index, "module": self.module, "call": self.call, "op": self.op, "op_b": self.op_b,
@@ -279,6 +281,7 @@ class _Walker:
 
     def _fill(self, d: Divergence, va: int, vb: int) -> None:
         val = self.a.values[va]
+        d.vid_a, d.vid_b = va, vb
         d.dtype, d.shape, d.numel = val.dtype, val.shape, val.numel
         d.diff = self.cmp.diff(va, vb)
 

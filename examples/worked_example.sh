@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The whole divtrace loop on the bundled example (RMSNorm cast order, bf16), checking every exit code:
+# record both sides -> bisect -> repro -> verify the unchanged side (fails) -> verify a fix with trials, a shape
+# sweep and profiling (passes) -> a batch-size-only fix (fails on the sweep) -> re-verify end to end (passes).
+# Usage: bash examples/worked_example.sh [WORKDIR]     (needs `divtrace` on PATH, e.g. after scripts/setup.sh)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+W="${1:-runs/worked}"
+DT="${DIVTRACE:-divtrace}"
+PY="${PYTHON:-python}"
+rm -rf "$W" && mkdir -p "$W"
+step() { echo; echo "== $*"; }
+expect() {  # expect CODE command...: run it and fail the script unless it exits with CODE
+    local want=$1; shift
+    "$@"; local got=$?
+    if [ "$got" -ne "$want" ]; then echo "FAILED: worked example: '$*' exited $got, expected $want"; exit 1; fi
+}
+step "1. record each side (each in its own process)"
+expect 0 "$DT" record examples/llama_pair.py:training --out "$W/train" --label train --arg dtype=bf16
+expect 0 "$DT" record examples/llama_pair.py:inference --out "$W/infer" --label infer --arg dtype=bf16 --arg variant=rmsnorm_cast
+step "2. bisect: where do they part?"
+expect 1 "$DT" bisect "$W/train" "$W/infer" --plot "$W/parting.png"
+"$DT" bisect "$W/train" "$W/infer" --json > "$W/bisect.json"
+step "3. repro: the diverging region as a standalone script"
+expect 0 "$DT" repro "$W/train" "$W/infer" --out "$W/repro"
+expect 1 "$PY" "$W/repro/repro.py" --trials 3
+step "4. verify: the unchanged side still differs; the right fix holds; a batch-size-only fix is caught"
+expect 1 "$DT" verify "$W/repro" --trials 5
+expect 0 "$DT" verify "$W/repro" --patch examples/fixes/rmsnorm_cast_patch.py:side_b --side b --trials 20 --profile
+expect 1 "$DT" verify "$W/repro" --patch examples/fixes/rmsnorm_cast_patch.py:side_b_batch_only --side b --trials 5
+step "5. re-verify end to end with the fix in the model, at the recorded batch and at another"
+expect 0 "$DT" verify --runs examples/llama_pair.py:training examples/fixes/rmsnorm_fixed.py:inference --arg-a dtype=bf16 --arg-b dtype=bf16
+expect 0 "$DT" verify --runs examples/llama_pair.py:training examples/fixes/rmsnorm_fixed.py:inference --arg-a batch=3 --arg-b batch=3
+echo
+echo "PASSED: worked example: bisect found the cause, the repro fails, the fix verifies bitwise and end to end"
