@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 
@@ -37,7 +38,8 @@ def load_entry(entry: str):
     if ":" not in entry:
         raise DivtraceError(f"ENTRY {entry!r}: expected path/file.py:function or pkg.module:function")
     target, _, func_name = entry.rpartition(":")
-    if not func_name.isidentifier():
+    if not func_name.isidentifier() or (func_name.startswith("__") and func_name.endswith("__")):
+        # Dunder names reach module machinery (__class__, __loader__), never a function the user wrote.
         raise DivtraceError(f"ENTRY {entry!r}: {func_name!r} is not a function name")
     if target.endswith(".py") or "/" in target or "\\" in target:
         path = Path(target)
@@ -60,7 +62,7 @@ def load_entry(entry: str):
         except ImportError as e:
             raise DivtraceError(f"ENTRY {entry!r}: cannot import module {target!r}: {e}") from None
     fn = getattr(module, func_name, None)
-    if not callable(fn):
+    if not callable(fn) or isinstance(fn, type) or inspect.ismodule(fn):
         raise DivtraceError(f"ENTRY {entry!r}: {target} has no function {func_name!r}")
     return fn
 

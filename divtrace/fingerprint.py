@@ -1,75 +1,168 @@
 """Bit-exact fingerprints of tensors.
 
-The hash is a position-weighted sum of the raw bytes, read as 64-bit lanes (narrower where the byte count
-does not divide), with odd weights, modulo 2**64. Flipping any single bit changes one lane by +-2**k, which
-an odd weight maps to a non-zero change mod 2**64, so a one-bit difference is always detected. A second,
-independent set of weights makes the fingerprint 128 bits, so unrelated tensors collide with probability
-about 2**-128. Values are read in logical (row-major) order, so a view and its contiguous copy agree.
+The raw bytes, read in logical (row-major) order so a view and its contiguous copy agree, are cut into lanes
+of at most 32 bits (int32 where the byte count allows, else int16 or int8) and sign-extended to int64. Lane i
+gets the weight w[i % 1024] * u[i // 1024] with w and u odd 64-bit constants, and the fingerprint row is the
+weighted sum modulo 2**64; two independent rows make 128 bits.
+
+Why this shape:
+- every weight is odd, hence a unit mod 2**64: a change in one lane always changes the sum (any one-bit
+  flip is detected);
+- lanes are at most 32 bits wide, so a lane difference has at most 31 trailing zero bits and still moves at
+  least 33 bits of each row. With 64-bit lanes, two sign flips of packed fp32/fp64 elements (2**63 each)
+  cancelled exactly, a false "identical";
+- the weights are fixed per position (chunked seeds), never drawn for a size, so a tensor hashes the same
+  whatever was hashed before it in the process;
+- the blocks of 1024 lanes let the CPU use a fused int64 matrix-vector product over a cache-sized scratch
+  buffer, and accelerators the same math as multiply + sum with a bounded temporary.
 """
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
-_LANES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+HASH_SCHEME = "lane32-wsum128"  # stored in meta.json: a reader verifies bytes only with the scheme that wrote them
+_BLOCK = 1024
+_OUTER_CHUNK = 4096
+_CPU_ROWS = 256  # blocks per scratch fill on CPU: 2 MiB of int64, stays in cache for the two passes
+_DEV_ROWS = 1 << 14  # blocks per step on accelerators: a 128 MiB temporary at most
+
+
+def _odd(shape, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-(2**62), 2**62, shape, generator=g, dtype=torch.int64) * 2 + 1
 
 
 class _Weights:
-    """Cached odd weights per device, grown on demand (deterministic, so traces agree across processes)."""
-
     def __init__(self) -> None:
-        self._w: dict[str, torch.Tensor] = {}
-        self._scratch: dict[str, torch.Tensor] = {}
+        self._inner: dict[str, torch.Tensor] = {}
+        self._outer: dict[str, torch.Tensor] = {}
+        self._local = threading.local()  # the scratch buffer is per thread: two recorders may run at once
 
-    def get(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def inner(self, device) -> torch.Tensor:
         key = str(device)
-        w = self._w.get(key)
-        if w is None or w.shape[1] < n:
-            size = max(n, 1 << 16, 0 if w is None else 2 * w.shape[1])
-            g = torch.Generator().manual_seed(0x5EED)
-            w = (torch.randint(-(2**62), 2**62, (2, size), generator=g, dtype=torch.int64) * 2 + 1).to(device)
-            self._w[key] = w
-            self._scratch[key] = torch.empty(size, dtype=torch.int64, device=device)
-        return w[:, :n], self._scratch[key][:n]
+        if key not in self._inner:
+            self._inner[key] = _odd((2, _BLOCK), 0x5EED).to(device)
+        return self._inner[key]
+
+    def outer(self, blocks: int, device) -> torch.Tensor:
+        key = str(device)
+        have = self._outer.get(key)
+        if have is None or have.shape[1] < blocks:
+            n0 = 0 if have is None else have.shape[1] // _OUTER_CHUNK
+            n1 = -(-max(blocks, 1) // _OUTER_CHUNK)
+            new = [_odd((2, _OUTER_CHUNK), 0xB10C0000 + c).to(device) for c in range(n0, n1)]
+            have = torch.cat(([have] if have is not None else []) + new, dim=1)
+            self._outer[key] = have
+        return have[:, :blocks]
+
+    def scratch(self) -> torch.Tensor:
+        buf = getattr(self._local, "scratch", None)
+        if buf is None:
+            buf = self._local.scratch = torch.empty(_CPU_ROWS, _BLOCK, dtype=torch.int64)
+        return buf
 
 
 _WEIGHTS = _Weights()
+_LANE_DTYPES = ((4, torch.int32), (2, torch.int16), (1, torch.int8))
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t` in logical order as a 1-D tensor with stride 1 (a view when `t` is contiguous, else a copy)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() <= 1 and flat.stride() != (1,):
+        # A one-element tensor counts as contiguous whatever its stride, which byte views refuse.
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat
 
 
 def lanes(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of `t` in logical order as a flat integer tensor, as wide as the byte count allows."""
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    flat = t.contiguous().reshape(-1)
+    """The raw bytes of `t` in logical order as a flat int32/int16/int8 tensor (widest that divides)."""
+    flat = flat_bytes(t)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    nbytes = flat.numel() * flat.element_size()
-    for width in (8, 4, 2, 1):
-        if width >= flat.element_size() and nbytes % width == 0:
-            try:
-                return flat.view(torch.uint8).view(_LANES[width]) if width != flat.element_size() else flat.view(_LANES[width])
-            except RuntimeError:
-                continue
-    return flat.view(torch.uint8).to(torch.int64)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1) if flat.dtype != torch.complex32 else flat.view(torch.float16)
+    raw = flat.view(torch.uint8) if flat.element_size() > 1 else flat
+    nbytes = raw.numel()
+    for width, dt in _LANE_DTYPES:
+        if nbytes % width == 0:
+            if flat.element_size() == width:
+                return flat.view(dt)
+            return raw.view(dt)
+    raise AssertionError("unreachable: width 1 always divides")
 
 
-def tensor_hash(t: torch.Tensor) -> str:
-    """128-bit hex fingerprint of the raw bytes, dtype and shape not included (see `fingerprint`)."""
-    v = lanes(t)
+def block_sums(v: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+    """Per block of 1024 lanes, the two inner weighted sums: int64 of shape (2, blocks), wrapping mod 2**64.
+    `fused` picks the CPU matrix-vector path (default: on CPU); both paths compute the same numbers."""
+    w = _WEIGHTS.inner(v.device)
     n = v.numel()
-    if n == 0:
+    full, rest = divmod(n, _BLOCK)
+    fused = v.device.type == "cpu" if fused is None else fused
+    out = torch.empty(2, full + (1 if rest else 0), dtype=torch.int64, device=v.device)
+    if full:
+        m = v[: full * _BLOCK].view(full, _BLOCK)
+        if fused:
+            scratch = _WEIGHTS.scratch()
+            for s in range(0, full, _CPU_ROWS):
+                c = m[s:s + _CPU_ROWS]
+                sc = scratch[: c.shape[0]]
+                sc.copy_(c)  # widen to int64 in a cache-sized buffer
+                torch.mv(sc, w[0], out=out[0, s:s + c.shape[0]])
+                torch.mv(sc, w[1], out=out[1, s:s + c.shape[0]])
+        else:
+            for s in range(0, full, _DEV_ROWS):
+                c = m[s:s + _DEV_ROWS].to(torch.int64)
+                out[0, s:s + c.shape[0]] = (c * w[0]).sum(1)
+                out[1, s:s + c.shape[0]] = (c * w[1]).sum(1)
+    if rest:
+        tail = v[full * _BLOCK:].to(torch.int64)
+        out[0, full] = (tail * w[0, :rest]).sum()
+        out[1, full] = (tail * w[1, :rest]).sum()
+    return out
+
+
+def tensor_hash(t: torch.Tensor, fused: bool | None = None) -> str:
+    """128-bit hex fingerprint of the raw bytes; dtype and shape are not included (TensorValue holds them)."""
+    v = lanes(t)
+    if v.numel() == 0:
         return "0" * 32
-    w, scratch = _WEIGHTS.get(n, v.device)
-    parts = []
-    for row in w:
-        torch.mul(v, row, out=scratch)
-        parts.append(int(scratch.sum().item()) & 0xFFFFFFFFFFFFFFFF)
-    return f"{parts[0]:016x}{parts[1]:016x}"
+    sums = block_sums(v, fused)
+    h = (sums * _WEIGHTS.outer(sums.shape[1], v.device)).sum(1).tolist()
+    return f"{h[0] & 0xFFFFFFFFFFFFFFFF:016x}{h[1] & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def reference_hash(t: torch.Tensor) -> str:
+    """The same fingerprint in plain Python integers (slow; tests check the torch kernels against it)."""
+    v = lanes(t).tolist()
+    if not v:
+        return "0" * 32
+    w = _WEIGHTS.inner("cpu").tolist()
+    u = _WEIGHTS.outer(-(-len(v) // _BLOCK), "cpu").tolist()
+    rows = [sum(x * w[r][i % _BLOCK] * u[r][i // _BLOCK] for i, x in enumerate(v)) % 2**64 for r in (0, 1)]
+    return f"{rows[0]:016x}{rows[1]:016x}"
+
+
+def hasher(scheme):
+    """The hash function for a trace's `meta["hash_scheme"]`, or None when this divtrace does not know it."""
+    return tensor_hash if scheme == HASH_SCHEME else None
+
+
+def fingerprint(t: torch.Tensor) -> tuple[str, dict, torch.Tensor]:
+    """(hash, stats, flat) from one contiguous read. `flat` is the logical bytes as a 1-D tensor of t's dtype;
+    it aliases `t` when `t` was already contiguous (clone it before keeping it)."""
+    flat = flat_bytes(t)
+    if flat.numel() == 0:
+        return "0" * 32, {}, flat
+    return tensor_hash(flat), summary_stats(flat), flat
 
 
 def summary_stats(t: torch.Tensor) -> dict:
-    """min/max/mean/absmax and NaN/Inf counts for float tensors; NaN-aware but cheap when all finite."""
+    """min/max/mean/absmax and NaN/Inf counts for float tensors; NaN-aware but cheap when all finite.
+    A summary for people, never compared for equality, so the mean is accumulated in float32 for speed."""
     if not (t.is_floating_point() and t.numel()):
         return {}
     x = t.detach()
@@ -85,6 +178,7 @@ def summary_stats(t: torch.Tensor) -> dict:
         lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (math.nan, math.nan)
         mean = float(finite.double().mean()) if finite.numel() else math.nan
     else:
-        mean = float(x.sum(dtype=torch.float64)) / x.numel()
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        mean = float(x.sum(dtype=acc)) / x.numel()
     return {"min": lo, "max": hi, "mean": mean, "absmax": max(abs(lo), abs(hi)) if not math.isnan(lo) else math.nan,
             "nan": nan, "inf": inf}

@@ -5,13 +5,29 @@ every aten op and attributes it to the innermost recorded module call. Every ten
 produced, or when it is first seen coming from outside (parameters, model inputs), so each op input names the
 record that produced it. Values are fingerprinted (and in full mode copied) at that moment, so a later in-place
 op cannot change what was recorded.
+
+Defined behaviour at the edges:
+- A module call that raises gets an exit record with `error` and no outputs (the post hook is `always_call`;
+  torch runs it for Exceptions). A KeyboardInterrupt or SIGTERM ends the block: its calls stay open, the trace
+  is marked "interrupted"/"terminated" and `unfinished_calls` says how many. A later call of the root (the
+  user caught the interrupt) first drops those stale open calls.
+- Signals that arrive while the recorder does its own bookkeeping are held until it is done, so the files
+  never hold a half-written flush and record indices never skip.
+- Two recorders on two models may run at once; an op belongs to the recorder whose module call is innermost
+  on this thread, so model B called inside model A's forward lands only in B's trace.
+- Tensor subclasses: DTensor-like ones (`to_local`) are recorded through their local tensor; others, sparse,
+  meta, quantized and nested tensors are skipped with a warning kept in meta.json.
+- Inference tensors have no version counter, so in-place writes to them are tracked from op schemas (ops=True)
+  or detected by re-fingerprinting (ops=False).
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 import signal
+import sys
 import threading
 import warnings
 
@@ -20,18 +36,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from divtrace.errors import DivtraceError
+from divtrace.fingerprint import tensor_hash
 from divtrace.records import ModuleEnter, ModuleExit, OpRecord
 from divtrace.settings import numerics_settings, run_environment
 from divtrace.trace.writer import TraceWriter
 
 _STATE = threading.local()  # shared by all recorders: while one does its own bookkeeping, none records
 _ACTIVE_MODELS: set[int] = set()
-_PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) if hasattr(torch.nn, "Buffer") else (torch.Tensor, torch.nn.Parameter)
+_ACTIVE: list = []  # recorders inside their `with` block, any thread
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _MAX_DEPTH = 8
+_SEQ = itertools.count()
 
 
-class RecordingTerminated(BaseException):
-    """Raised inside the recorded block when the process gets SIGTERM, so the trace is closed and marked."""
+class RecordingTerminated(KeyboardInterrupt):
+    """Raised inside the recorded block when the process gets SIGTERM, so the trace is closed and marked. A
+    KeyboardInterrupt subclass so that code (and the CLI) treating Ctrl-C as "stop" treats it the same."""
 
 
 class _Busy:
@@ -40,6 +60,9 @@ class _Busy:
 
     def __exit__(self, *exc):
         _STATE.busy -= 1
+        if _STATE.busy == 0 and getattr(_STATE, "deferred", None) is not None and exc[0] is None:
+            pending, _STATE.deferred = _STATE.deferred, None
+            raise pending
 
 
 _BUSY = _Busy()
@@ -49,11 +72,18 @@ def _busy() -> bool:
     return getattr(_STATE, "busy", 0) > 0
 
 
+def _owners() -> list:
+    o = getattr(_STATE, "owners", None)
+    if o is None:
+        o = _STATE.owners = []
+    return o
+
+
 def flatten_tensors(obj, prefix: str, out: list, depth: int = 0) -> list:
     """(key, tensor) pairs of a nested structure: tuples, lists, dicts, HF ModelOutput, dataclasses."""
     if isinstance(obj, torch.Tensor):
         out.append((prefix, obj))
-    elif depth >= _MAX_DEPTH:
+    elif depth >= _MAX_DEPTH or obj is None or isinstance(obj, (int, float, str, bool)):
         pass
     elif isinstance(obj, dict):
         for k, v in obj.items():
@@ -67,18 +97,35 @@ def flatten_tensors(obj, prefix: str, out: list, depth: int = 0) -> list:
     return out
 
 
-def _version(t: torch.Tensor):
-    try:
-        return t._version
-    except Exception:  # inference-mode tensors have no version counter
-        return None
+_MUTATED: dict = {}  # op overload -> [(position, name)] of the arguments it writes to
+
+
+def _mutated_args(func) -> list:
+    m = _MUTATED.get(func)
+    if m is None:
+        try:
+            m = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write]
+        except AttributeError:
+            m = []
+        _MUTATED[func] = m
+    return m
+
+
+class _Frame:
+    """One module call on the recorder's stack."""
+
+    __slots__ = ("call_id", "module", "excluded", "exc", "token")
+
+    def __init__(self, call_id, module, excluded, exc, token):
+        self.call_id, self.module, self.excluded, self.exc, self.token = call_id, module, excluded, exc, token
 
 
 class Recorder:
     """The context manager returned by `divtrace.record`."""
 
     def __init__(self, model, path, *, mode="full", ops=True, label=None, include=None, exclude=None,
-                 overwrite=False, shard_bytes=128 << 20, extra_meta=None):
+                 overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096):
         if not isinstance(model, torch.nn.Module):
             raise DivtraceError(f"record() needs a torch.nn.Module, got {type(model).__name__}")
         if mode not in ("full", "hash"):
@@ -90,17 +137,18 @@ class Recorder:
         except re.error as e:
             raise DivtraceError(f"bad include/exclude regex: {e}") from None
         self._include_src, self._exclude_src = include, exclude
-        self._overwrite, self._shard_bytes = overwrite, shard_bytes
+        self._overwrite, self._shard_bytes, self._flush_records = overwrite, shard_bytes, flush_records
         self._extra_meta = dict(extra_meta or {})
         self._handles: list = []
-        self._stack: list = []  # (call_id | None, module): None marks an unrecorded (excluded) call
+        self._stack: list[_Frame] = []
         self._excluded_depth = 0
         self._calls: dict[str, int] = {}
         self._next_call_id = 0
         self._index = 0
         self._tensors = WeakTensorKeyDictionary()  # tensor -> (vid, version, value)
+        self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (inference tensors)
         self._mode_obj = None
-        self._old_sigterm = None
+        self._old_signals: dict = {}
         self.warnings: list[str] = []
         self.writer: TraceWriter | None = None
 
@@ -115,19 +163,39 @@ class Recorder:
                 "module_tree": [[name, type(m).__name__] for name, m in self.model.named_modules()],
                 **run_environment(device), **self._extra_meta}
         self.writer = TraceWriter(self.path, mode=self.mode, meta=meta, overwrite=self._overwrite,
-                                  shard_bytes=self._shard_bytes)
+                                  shard_bytes=self._shard_bytes, flush_records=self._flush_records)
         _ACTIVE_MODELS.add(id(self.model))
+        _ACTIVE.append(self)
         for name, m in self.model.named_modules():
-            self._handles.append(m.register_forward_pre_hook(self._make_pre(name), with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._make_post(name), with_kwargs=True, prepend=True))
+            # Pre hook first and post hook last: the call spans the module's own hooks, its inputs are what the
+            # caller passed and its outputs what the caller receives.
+            self._handles.append(m.register_forward_pre_hook(self._make_pre(name), with_kwargs=True, prepend=True))
+            self._handles.append(m.register_forward_hook(self._make_post(name), with_kwargs=True, always_call=True))
         if self.ops:
             self._mode_obj = _OpMode(self)
             self._mode_obj.__enter__()
-        if threading.current_thread() is threading.main_thread():
-            def on_sigterm(signum, frame):
-                raise RecordingTerminated("SIGTERM")
-            self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+        self._install_signals()
         return self
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        writer = self.writer
+
+        def handler(exc_type):
+            def on_signal(signum, frame):
+                exc = exc_type("SIGTERM" if signum == signal.SIGTERM else "")
+                if _busy():
+                    _STATE.deferred = exc  # raised when the bookkeeping in progress is done
+                elif writer.critical:
+                    writer.deferred = exc
+                else:
+                    raise exc
+            return on_signal
+
+        self._old_signals[signal.SIGTERM] = signal.signal(signal.SIGTERM, handler(RecordingTerminated))
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._old_signals[signal.SIGINT] = signal.signal(signal.SIGINT, handler(KeyboardInterrupt))
 
     def __exit__(self, exc_type, exc, tb):
         try:
@@ -138,65 +206,107 @@ class Recorder:
                 h.remove()
             self._handles.clear()
             _ACTIVE_MODELS.discard(id(self.model))
-            if self._old_sigterm is not None:
-                signal.signal(signal.SIGTERM, self._old_sigterm)
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+            owners = _owners()
+            for f in self._stack:
+                if f.token in owners:
+                    owners.remove(f.token)
             if exc_type is None:
                 status, error = "complete", None
-            elif issubclass(exc_type, KeyboardInterrupt):
-                status, error = "interrupted", "KeyboardInterrupt"
             elif issubclass(exc_type, RecordingTerminated):
                 status, error = "terminated", "SIGTERM"
+            elif issubclass(exc_type, KeyboardInterrupt):
+                status, error = "interrupted", "KeyboardInterrupt"
             else:
-                status, error = "error", f"{exc_type.__name__}: {exc}"
-            self.writer.close(status, error, warnings=self.warnings, unfinished_calls=len(self._stack))
+                status, error = "error", f"{exc_type.__name__}: {exc}".splitlines()[0][:500]
+            # A signal held while an exception was already on its way out is settled here, not later.
+            held, _STATE.deferred = getattr(_STATE, "deferred", None), None
+            try:
+                self.writer.close(status, error, warnings=self.warnings,
+                                  unfinished_calls=sum(1 for f in self._stack if f.call_id is not None))
+            finally:
+                for sig, old in self._old_signals.items():
+                    signal.signal(sig, old)
+                self._old_signals.clear()
+            if held is not None and exc_type is None:
+                raise held
         return False
 
     # values -----------------------------------------------------------------------------------------------
+    def _version(self, t: torch.Tensor):
+        try:
+            return t._version
+        except Exception:  # inference tensors have no version counter: count in-place writes ourselves
+            try:
+                return ("w", self._writes.get(t.untyped_storage().data_ptr(), 0))
+            except Exception:
+                return None
+
     def _vid_of(self, t: torch.Tensor, new_values: list) -> int:
         """The value id of `t` as it is now; a tensor never seen (or changed behind our back) is new."""
         entry = self._tensors.get(t)
-        if entry is not None and entry[1] == _version(t):
-            return entry[0]
+        version = self._version(t)
+        if entry is not None and entry[1] == version:
+            if not (self._mode_obj is None and isinstance(version, tuple)):
+                return entry[0]
+            # ops=False and an inference tensor: in-place writes are invisible, so compare the bytes.
+            if tensor_hash(t) == entry[2].hash:
+                return entry[0]
         v = self.writer.new_value(t, producer=None)
         new_values.append(v)
-        self._tensors[t] = (v.vid, _version(t), v)
+        self._tensors[t] = (v.vid, version, v)
         return v.vid
 
     def _produced(self, t: torch.Tensor, producer: int, inputs: list, new_values: list) -> int:
         v = None
-        if t.is_contiguous():
-            # A contiguous alias of a contiguous input (view, reshape, detach, ...) has the input's bytes: reuse
-            # its fingerprint instead of hashing again.
-            for src in inputs:
-                if (src.dtype == t.dtype and src.numel() == t.numel() and src.is_contiguous()
-                        and src.data_ptr() == t.data_ptr() and src is not t and src.device == t.device):
-                    e = self._tensors.get(src)
-                    if e is not None and e[1] == _version(src):
-                        v = dataclasses.replace(e[2], vid=self.writer.take_vid(), producer=producer,
-                                                shape=list(t.shape), stride=list(t.stride()))
-                    break
+        # An alias that reads the same bytes in the same logical order as an input (view, reshape, detach,
+        # alias) has the input's fingerprint: reuse it instead of hashing again.
+        ptr, n = t.data_ptr(), t.numel()
+        for src in inputs:
+            if src is t or src.data_ptr() != ptr or src.dtype != t.dtype or src.numel() != n or src.device != t.device:
+                continue
+            if (t.is_contiguous() and src.is_contiguous()) or (src.shape == t.shape and src.stride() == t.stride()):
+                e = self._tensors.get(src)
+                if e is not None and e[1] == self._version(src):
+                    v = dataclasses.replace(e[2], vid=self.writer.take_vid(), producer=producer,
+                                            shape=list(t.shape), stride=list(t.stride()))
+                break
         if v is None:
             v = self.writer.new_value(t, producer=producer)
         new_values.append(v)
-        self._tensors[t] = (v.vid, _version(t), v)
+        self._tensors[t] = (v.vid, self._version(t), v)
         return v.vid
 
     def _plain(self, t: torch.Tensor, where: str):
-        if type(t) in _PLAIN:
-            return t
-        to_local = getattr(t, "to_local", None)
-        if callable(to_local):
-            return to_local()
-        msg = f"{where}: tensor subclass {type(t).__name__} not recorded"
-        if msg not in self.warnings:
+        """The tensor to fingerprint for `t`, or None (skipped, with a warning) when it has no plain bytes."""
+        if type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
+            local = getattr(t, "_local_tensor", None)  # DTensor keeps its shard here; to_local() may wrap it
+            if not isinstance(local, torch.Tensor):
+                to_local = getattr(t, "to_local", None)
+                try:
+                    local = to_local() if callable(to_local) else None
+                except Exception:
+                    local = None
+            if isinstance(local, torch.Tensor) and type(local).__torch_dispatch__ is _PLAIN_DISPATCH:
+                return self._plain(local, where)
+            return self._skip(f"{where}: tensor subclass {type(t).__name__} not recorded")
+        if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+            kind = "meta" if t.device.type == "meta" else "quantized" if t.is_quantized else \
+                "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+            return self._skip(f"{where}: {kind} tensor not recorded")
+        return t
+
+    def _skip(self, msg: str):
+        if msg not in self.warnings and len(self.warnings) < 100:
             self.warnings.append(msg)
-            warnings.warn(f"divtrace: {msg}", stacklevel=3)
+            warnings.warn(f"divtrace: {msg}", stacklevel=4)
         return None
 
     # module hooks -----------------------------------------------------------------------------------------
     def _make_pre(self, path: str):
         def pre(module, args, kwargs):
-            if _busy():
+            if _busy() or self.writer.failed:
                 return None
             with _BUSY:
                 self._enter(path, module, args, kwargs)
@@ -205,7 +315,7 @@ class Recorder:
 
     def _make_post(self, path: str):
         def post(module, args, kwargs, output):
-            if _busy():
+            if _busy() or self.writer.failed:
                 return None
             with _BUSY:
                 self._exit(module, output)
@@ -213,20 +323,29 @@ class Recorder:
         return post
 
     def _recorded_parent(self):
-        for cid, _, _ in reversed(self._stack):
-            if cid is not None:
-                return cid
+        for f in reversed(self._stack):
+            if f.call_id is not None:
+                return f.call_id
         return None
 
+    def _push(self, call_id, module, excluded):
+        token = (next(_SEQ), self)
+        _owners().append(token)
+        self._stack.append(_Frame(call_id, module, excluded, sys.exc_info()[1], token))
+
     def _enter(self, path, module, args, kwargs):
-        inside_recorded = bool(self._stack) and self._stack[-1][0] is not None
+        if module is self.model and self._stack:
+            # A new call of the root while calls are open: they were left by an interrupt the caller caught.
+            while self._stack:
+                self._pop()
+        inside_recorded = bool(self._stack) and self._stack[-1].call_id is not None
         if self._exclude is not None and self._exclude.search(path):
             self._excluded_depth += 1
-            self._stack.append((None, module, True))
+            self._push(None, module, True)
             return
         if self._excluded_depth or (self._include is not None and not inside_recorded
                                     and not self._include.search(path)):
-            self._stack.append((None, module, False))
+            self._push(None, module, False)
             return
         call = self._calls.get(path, 0)
         self._calls[path] = call + 1
@@ -239,17 +358,24 @@ class Recorder:
             if t is not None:
                 pairs.append((key, self._vid_of(t, values)))
         rec = ModuleEnter(self._take_index(), call_id, path, call, self._recorded_parent(), pairs)
-        self._stack.append((call_id, module, False))
+        self._push(call_id, module, False)
         self.writer.append(rec, values)
 
     def _exit(self, module, output):
-        # Pop to this module's entry: calls that raised inside and were caught never ran their post hook.
-        while self._stack and self._stack[-1][1] is not module:
+        depth = next((i for i in range(len(self._stack) - 1, -1, -1) if self._stack[i].module is module), None)
+        if depth is None:
+            return  # its pre hook did not run (the call began before recording, or while busy)
+        # Pop to this module's frame: calls that raised inside and were caught left theirs.
+        while len(self._stack) > depth + 1:
             self._pop()
-        if not self._stack:
+        frame = self._pop()
+        if frame.call_id is None:
             return
-        call_id, _, excluded = self._pop()
-        if call_id is None:
+        current = sys.exc_info()[1]
+        if current is not None and current is not frame.exc:
+            # torch runs always_call hooks from its `except Exception:`: the forward raised.
+            err = f"{type(current).__name__}: {current}".splitlines()[0][:300] if str(current) else type(current).__name__
+            self.writer.append(ModuleExit(self._take_index(), frame.call_id, [], error=err), [])
             return
         values: list = []
         pairs = []
@@ -257,13 +383,18 @@ class Recorder:
             t = self._plain(t, "output")
             if t is not None:
                 pairs.append((key, self._vid_of(t, values)))
-        self.writer.append(ModuleExit(self._take_index(), call_id, pairs), values)
+        self.writer.append(ModuleExit(self._take_index(), frame.call_id, pairs), values)
 
-    def _pop(self):
-        entry = self._stack.pop()
-        if entry[2]:
+    def _pop(self) -> _Frame:
+        frame = self._stack.pop()
+        if frame.excluded:
             self._excluded_depth -= 1
-        return entry
+        owners = _owners()
+        if owners and owners[-1] is frame.token:
+            owners.pop()
+        elif frame.token in owners:
+            owners.remove(frame.token)
+        return frame
 
     def _take_index(self) -> int:
         i = self._index
@@ -271,42 +402,64 @@ class Recorder:
         return i
 
     # ops --------------------------------------------------------------------------------------------------
+    def _owns_innermost(self) -> bool:
+        owners = _owners()
+        return not owners or owners[-1][1] is self
+
     def on_op(self, func, args, kwargs):
         """Run `func`, recording it when it runs inside a recorded module call."""
-        if _busy() or not self._stack or self._stack[-1][0] is None:
-            return func(*args, **kwargs)
+        if (_busy() or not self._stack or self._stack[-1].call_id is None or self.writer.failed
+                or (len(_ACTIVE) > 1 and not self._owns_innermost())):
+            out = func(*args, **kwargs)
+            if not _busy():
+                self._note_writes(func, args, kwargs)
+            return out
         with _BUSY:
             tensors_in = flatten_tensors((args, kwargs), "", [])
-            if any(self._plain(t, str(func)) is None for _, t in tensors_in):
-                plain = False
-            else:
-                plain = True
+            plain_in = [self._plain(t, str(func)) for _, t in tensors_in]
+            plain = all(p is not None for p in plain_in)
+            if plain:
                 values: list = []
                 vids: list[int] = []
-                enc_args = [self._encode(a, values, vids) for a in args]
-                enc_kwargs = {k: self._encode(v, values, vids) for k, v in kwargs.items()}
+                local = {id(t): p for (_, t), p in zip(tensors_in, plain_in)}
+                enc_args = [self._encode(a, values, vids, local) for a in args]
+                enc_kwargs = {k: self._encode(v, values, vids, local) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
+        self._note_writes(func, args, kwargs)
         if not plain:
             return out
         with _BUSY:
             outs = [t for _, t in flatten_tensors(out, "", [])]
-            if not outs:
+            plain_out = [self._plain(t, str(func)) for t in outs]
+            if not outs or any(p is None for p in plain_out):
                 return out
             index = self._take_index()
-            ins = [t for _, t in tensors_in]
-            out_vids = [self._produced(t, index, ins, values) for t in outs]
+            out_vids = [self._produced(p, index, plain_in, values) for p in plain_out]
             vid_by_id = {id(t): v for t, v in zip(outs, out_vids)}
             enc_out = self._encode_out(out, vid_by_id)
-            rec = OpRecord(index, self._stack[-1][0], _op_name(func), enc_args, enc_kwargs, vids, out_vids, enc_out)
+            rec = OpRecord(index, self._stack[-1].call_id, _op_name(func), enc_args, enc_kwargs, vids, out_vids,
+                           enc_out)
             self.writer.append(rec, values)
         return out
 
-    def _encode(self, x, values, vids):
+    def _note_writes(self, func, args, kwargs) -> None:
+        """Count in-place writes to inference tensors, which have no version counter of their own."""
+        for pos, name in _mutated_args(func):
+            t = args[pos] if pos < len(args) else kwargs.get(name)
+            for x in (t if isinstance(t, (list, tuple)) else (t,)):
+                if isinstance(x, torch.Tensor) and x.is_inference():
+                    try:
+                        key = x.untyped_storage().data_ptr()
+                    except Exception:
+                        continue
+                    self._writes[key] = self._writes.get(key, 0) + 1
+
+    def _encode(self, x, values, vids, local):
         if isinstance(x, torch.Tensor):
-            vid = self._vid_of(x, values)
+            vid = self._vid_of(local.get(id(x), x), values)
             vids.append(vid)
             return {"$v": vid}
-        return encode_constant(x, lambda y: self._encode(y, values, vids))
+        return encode_constant(x, lambda y: self._encode(y, values, vids, local))
 
     def _encode_out(self, x, vid_by_id):
         if isinstance(x, torch.Tensor):
@@ -356,8 +509,11 @@ class _OpMode(TorchDispatchMode):
 
 
 def record(model, path, *, mode="full", ops=True, label=None, include=None, exclude=None, overwrite=False,
-           shard_bytes=128 << 20, extra_meta=None) -> Recorder:
+           shard_bytes=128 << 20, extra_meta=None, flush_records=4096) -> Recorder:
     """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
+
+    `flush_records` bounds how many records may be lost if the process is killed (they are written in
+    batches of that many; `shard_bytes` bounds the tensor bytes held in memory in full mode).
 
     Example::
 
@@ -365,4 +521,5 @@ def record(model, path, *, mode="full", ops=True, label=None, include=None, excl
             model(input_ids)
     """
     return Recorder(model, path, mode=mode, ops=ops, label=label, include=include, exclude=exclude,
-                    overwrite=overwrite, shard_bytes=shard_bytes, extra_meta=extra_meta)
+                    overwrite=overwrite, shard_bytes=shard_bytes, extra_meta=extra_meta,
+                    flush_records=flush_records)

@@ -397,6 +397,13 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
         verdict = "within_tolerance" if cmp.tol is not None else "diverged"
     else:
         verdict = "diverged" if first is not None else "identical"
+    if verdict in ("identical", "within_tolerance"):
+        # The verdict so far rests on the fingerprints in records.jsonl; before calling the runs equal, make sure
+        # the stored bytes are what was recorded (a corrupted shard must never pass as identical).
+        for t in (ta, tb):
+            verify = getattr(t, "verify_shards", None)
+            if verify is not None:
+                verify()
     if verdict == "diverged" and first is None:
         raise DivtraceError(f"{ta.path} vs {tb.path}: tensors differ but no aligned module call differs; "
                             "cannot localize (please report this)")

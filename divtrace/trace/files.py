@@ -8,6 +8,7 @@ from pathlib import Path
 
 META = "meta.json"
 RECORDS = "records.jsonl"
+CHECKSUMS = "checksums.jsonl"  # sha256 of each shard and of records.jsonl after each flush
 SHARD_PATTERN = "tensors-{:05d}.safetensors"
 SHARD_GLOB = "tensors-*.safetensors"
 

@@ -1,63 +1,72 @@
-"""Reading a trace back: metadata and records eagerly, tensor bytes lazily and checked against fingerprints."""
+"""Reading a trace back: metadata and records eagerly and validated, tensor bytes lazily and checked.
+
+Nothing here trusts the files: a trace may be truncated, hand-edited, corrupted or written by another
+version. Every problem is a DivtraceError naming the file (and line). records.jsonl is verified against its
+sha256 before it is parsed (from meta.json when the recording closed, else from checksums.jsonl, which also
+covers what a killed run left). Tensor bytes are checked against their fingerprint on every load, and
+`verify_shards()` checks whole shard files against their sha256 (what bisect needs before "identical").
+"""
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 
 import torch
 
 from divtrace.errors import DivtraceError
-from divtrace.fingerprint import tensor_hash
-from divtrace.records import FORMAT_VERSION, RECORD_TYPES, ModuleCall, ModuleEnter, ModuleExit, OpRecord, TensorValue
-from divtrace.trace.files import META, RECORDS
+from divtrace.fingerprint import HASH_SCHEME, hasher
+from divtrace.records import FORMAT_VERSION, ModuleCall, ModuleEnter, ModuleExit, OpRecord, TensorValue
+from divtrace.trace.files import CHECKSUMS, META, RECORDS
 
-_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                                torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint16", "uint32", "uint64",
-              "complex32"):
+_DTYPES = {}
+for _name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+              "complex64", "complex128", "complex32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+              "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "uint16", "uint32", "uint64"):
     if hasattr(torch, _name):
         _DTYPES[f"torch.{_name}"] = getattr(torch, _name)
+
+_HEX32 = re.compile(r"[0-9a-f]{32}\Z")
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_SHARD_NAME = re.compile(r"tensors-\d{5,}\.safetensors\Z")
 
 
 def torch_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise DivtraceError(f"unknown dtype {name!r} in trace") from None
 
 
-def _value_from_json(d: dict, where: str) -> TensorValue:
-    try:
-        v = TensorValue(**d)
-        if not (isinstance(v.vid, int) and isinstance(v.shape, list) and all(isinstance(s, int) and s >= 0 for s in v.shape)
-                and isinstance(v.hash, str) and isinstance(v.dtype, str)):
-            raise TypeError("bad field types")
-        return v
-    except TypeError as e:
-        raise DivtraceError(f"{where}: malformed tensor value: {e}") from None
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _record_from_json(d: dict, where: str):
-    if not isinstance(d, dict) or d.get("kind") not in RECORD_TYPES:
-        raise DivtraceError(f"{where}: not a divtrace record (missing or unknown 'kind')")
-    d = dict(d)
-    values = [_value_from_json(v, where) for v in d.pop("values", [])]
-    cls = RECORD_TYPES[d["kind"]]
-    try:
-        rec = cls(**d)
-    except TypeError as e:
-        raise DivtraceError(f"{where}: malformed {d['kind']} record: {e}") from None
-    if not isinstance(rec.index, int) or not isinstance(rec.call_id, int):
-        raise DivtraceError(f"{where}: malformed {d['kind']} record: index and call_id must be integers")
-    if isinstance(rec, (ModuleEnter, ModuleExit)):
-        field_name = "inputs" if isinstance(rec, ModuleEnter) else "outputs"
-        pairs = getattr(rec, field_name)
-        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[1], int) for p in pairs):
-            raise DivtraceError(f"{where}: malformed {d['kind']} record: {field_name} must be [key, vid] pairs")
-        setattr(rec, field_name, [(str(k), v) for k, v in pairs])
-    elif not (isinstance(rec.inputs, list) and isinstance(rec.outputs, list) and isinstance(rec.op, str)):
-        raise DivtraceError(f"{where}: malformed op record")
-    return rec, values
+def _str_or_none(x) -> bool:
+    return x is None or isinstance(x, str)
+
+
+# meta.json fields divtrace itself reads, and the type each must have (others are kept as they are).
+_META_FIELDS = {
+    "complete": lambda x: isinstance(x, bool), "status": lambda x: isinstance(x, str), "label": _str_or_none,
+    "error": _str_or_none, "ops": lambda x: isinstance(x, bool), "settings": lambda x: isinstance(x, dict),
+    "module_tree": lambda x: isinstance(x, list) and all(isinstance(p, list) and len(p) == 2
+                                                         and all(isinstance(s, str) for s in p) for p in x),
+    "warnings": lambda x: isinstance(x, list) and all(isinstance(w, str) for w in x),
+    "records": _is_int, "shards": lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x),
+    "entry": _str_or_none, "entry_args": lambda x: isinstance(x, dict), "model_class": _str_or_none,
+    "torch_version": _str_or_none, "device": _str_or_none, "hash_scheme": lambda x: isinstance(x, str),
+    "include": _str_or_none, "exclude": _str_or_none, "unfinished_calls": _is_int,
+}
+
+
+def _checksums_ok(c) -> bool:
+    if not isinstance(c, dict) or set(c) != {"records", "shards"}:
+        return False
+    r, s = c["records"], c["shards"]
+    return (isinstance(r, dict) and isinstance(r.get("sha256"), str) and _is_int(r.get("bytes"))
+            and isinstance(s, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in s.items()))
 
 
 class Trace:
@@ -67,96 +76,275 @@ class Trace:
         self.path = Path(path)
         self._check_dir()
         self.meta = self._read_meta()
+        self._hash = hasher(self.meta["hash_scheme"])
         self.records: list = []
         self.values: dict[int, TensorValue] = {}
         self.calls: dict[int, ModuleCall] = {}
-        self.torn_tail = False
+        self.torn_tail = False  # bytes after the last whole, verified flush were dropped
+        self.verified = True  # records.jsonl matched a recorded sha256
+        self.warnings: list[str] = []
+        self._shard_sums: dict[str, str] = {}
+        self._open: set[int] = set()  # calls entered and not exited
+        self._call_keys: set[tuple[str, int]] = set()
+        self._call_counts: dict[str, int] = {}
         self._read_records()
         self._shards: dict[str, object] = {}
+        self._shards_verified = False
 
     # loading ----------------------------------------------------------------------------------------------
     def _check_dir(self) -> None:
         p = self.path
-        if not p.exists():
-            raise DivtraceError(f"{p}: no such trace directory")
-        if not p.is_dir():
-            raise DivtraceError(f"{p}: is a file, not a trace directory")
-        if not (p / META).exists():
-            what = "empty directory" if not any(p.iterdir()) else "directory without meta.json"
-            raise DivtraceError(f"{p}: not a divtrace trace ({what})")
+        try:
+            if not p.exists():
+                raise DivtraceError(f"{p}: no such trace directory")
+            if not p.is_dir():
+                raise DivtraceError(f"{p}: is a file, not a trace directory")
+            if not (p / META).is_file():
+                what = "empty directory" if not any(p.iterdir()) else "directory without meta.json"
+                raise DivtraceError(f"{p}: not a divtrace trace ({what})")
+        except OSError as e:
+            raise DivtraceError(f"{p}: cannot read trace directory: {e.strerror or e}") from None
 
     def _read_meta(self) -> dict:
         where = self.path / META
         try:
-            meta = json.loads(where.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DivtraceError(f"{where}: unreadable trace metadata: {e}") from None
+            meta = json.loads(where.read_bytes())
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise DivtraceError(f"{where}: unreadable trace metadata ({type(e).__name__})") from None
         if not isinstance(meta, dict) or "format_version" not in meta:
             raise DivtraceError(f"{where}: not divtrace metadata (no format_version)")
         fv = meta["format_version"]
-        if not isinstance(fv, int):
-            raise DivtraceError(f"{where}: format_version must be an integer, got {fv!r}")
+        if not _is_int(fv):
+            raise DivtraceError(f"{where}: format_version must be an integer, got {fv!r}"[:300])
         if fv > FORMAT_VERSION:
             raise DivtraceError(f"{where}: written by a newer divtrace (format_version {fv}, this one reads up to "
                                 f"{FORMAT_VERSION}); upgrade divtrace")
+        if fv < 1:
+            raise DivtraceError(f"{where}: format_version {fv} is not a divtrace format")
         if meta.get("mode") not in ("full", "hash"):
-            raise DivtraceError(f"{where}: unknown mode {meta.get('mode')!r}")
+            raise DivtraceError(f"{where}: unknown mode {meta.get('mode')!r}"[:300])
+        for k, ok in _META_FIELDS.items():
+            if k in meta and not ok(meta[k]):
+                raise DivtraceError(f"{where}: field {k!r} is malformed (edited by hand?)")
+        if "hash_scheme" not in meta:
+            raise DivtraceError(f"{where}: no hash_scheme: written by an early development version of divtrace "
+                                "whose fingerprints cannot be verified; record it again")
+        if hasher(meta["hash_scheme"]) is None:
+            raise DivtraceError(f"{where}: fingerprint scheme {meta['hash_scheme']!r} is unknown to this divtrace "
+                                f"(it knows {HASH_SCHEME!r}); upgrade divtrace"[:300])
+        if "checksums" in meta and not _checksums_ok(meta["checksums"]):
+            raise DivtraceError(f"{where}: field 'checksums' is malformed (edited by hand?)")
+        if meta.get("complete") is True and ("checksums" not in meta or meta.get("status") != "complete"):
+            raise DivtraceError(f"{where}: marked complete but lacks what a finished recording writes (status, "
+                                "checksums): edited by hand?")
         return meta
 
-    def _read_records(self) -> None:
+    def _verified_records(self) -> bytes:
+        """The bytes of records.jsonl that a recorded sha256 vouches for."""
         where = self.path / RECORDS
         try:
             raw = where.read_bytes()
         except OSError as e:
             raise DivtraceError(f"{where}: cannot read records: {e.strerror or e}") from None
+        sums = self.meta.get("checksums")
+        if sums is not None:  # the recording closed: the whole file is accounted for
+            self._shard_sums = dict(sums["shards"])
+            want = sums["records"]
+            if len(raw) != want["bytes"]:
+                raise DivtraceError(f"{where}: {len(raw)} bytes, but the recording closed it at {want['bytes']} "
+                                    "(truncated or edited)")
+            if hashlib.sha256(raw).hexdigest() != want["sha256"]:
+                raise DivtraceError(f"{where}: contents do not match the sha256 recorded in meta.json (edited or "
+                                    "corrupted)")
+            return raw
+        checkpoints = self._read_checksums_file()
+        if checkpoints is None:
+            self.verified = False
+            self.warnings.append(f"{self.path}: no checksums (meta.json unfinished and {CHECKSUMS} missing): "
+                                 "records are not verified")
+            return raw
+        best = max((c for c in checkpoints if c[0] <= len(raw)), default=(0, hashlib.sha256(b"").hexdigest()))
+        if hashlib.sha256(raw[:best[0]]).hexdigest() != best[1]:
+            raise DivtraceError(f"{where}: the first {best[0]} bytes do not match their sha256 in {CHECKSUMS} "
+                                "(edited or corrupted)")
+        if best[0] < len(raw):
+            self.torn_tail = True  # a write the run did not finish
+        return raw[:best[0]]
+
+    def _read_checksums_file(self):
+        where = self.path / CHECKSUMS
+        try:
+            raw = where.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise DivtraceError(f"{where}: cannot read: {e.strerror or e}") from None
         lines = raw.split(b"\n")
-        if lines and lines[-1] == b"":
+        last_whole = lines.pop()  # b"" when the file ends with a newline; else a line the run did not finish
+        del last_whole
+        checkpoints = []
+        for n, line in enumerate(lines, 1):
+            try:
+                d = json.loads(line)
+            except (ValueError, RecursionError):
+                raise DivtraceError(f"{where}:{n}: corrupt line (not JSON)") from None
+            if isinstance(d, dict) and set(d) == {"records", "sha256"} and _is_int(d["records"]) \
+                    and isinstance(d["sha256"], str):
+                checkpoints.append((d["records"], d["sha256"]))
+            elif isinstance(d, dict) and set(d) == {"shard", "sha256", "bytes"} and isinstance(d["shard"], str) \
+                    and isinstance(d["sha256"], str):
+                self._shard_sums[d["shard"]] = d["sha256"]
+            else:
+                raise DivtraceError(f"{where}:{n}: not a checksum line")
+        return checkpoints
+
+    def _read_records(self) -> None:
+        where = self.path / RECORDS
+        raw = self._verified_records()
+        lines = raw.split(b"\n")
+        if lines[-1] == b"":
             lines.pop()
-        elif lines:
-            # No newline at the end: the last line was being written when the run died.
+        else:
+            # No newline at the end (only possible without checksums): the line was being written.
             lines.pop()
             self.torn_tail = True
         for n, line in enumerate(lines, 1):
             loc = f"{where}:{n}"
             try:
                 d = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, RecursionError):
                 raise DivtraceError(f"{loc}: corrupt record (not JSON)") from None
-            rec, values = _record_from_json(d, loc)
-            if rec.index != len(self.records):
-                raise DivtraceError(f"{loc}: record index {rec.index}, expected {len(self.records)}")
-            for v in values:
-                self.values[v.vid] = v
-            self._link(rec, loc)
-            self.records.append(rec)
+            try:
+                self._add(d, loc)
+            except DivtraceError:
+                raise
+            except Exception as e:  # any shape of nonsense a hand edit can produce is still a clean error
+                raise DivtraceError(f"{loc}: malformed record ({type(e).__name__})") from None
+        want = self.meta.get("records")
+        if "checksums" in self.meta and want is not None and want != len(self.records):
+            raise DivtraceError(f"{self.path / META}: says {want} records, {RECORDS} holds {len(self.records)}")
+
+    # validation -----------------------------------------------------------------------------------------
+    def _value(self, d, rec, loc: str) -> TensorValue:
+        if not isinstance(d, dict):
+            raise DivtraceError(f"{loc}: malformed tensor value (not an object)")
+        try:
+            v = TensorValue(**d)
+        except TypeError:
+            raise DivtraceError(f"{loc}: malformed tensor value (unknown or missing fields)") from None
+        full = self.meta["mode"] == "full"
+        ok = (_is_int(v.vid) and v.vid >= 0 and isinstance(v.dtype, str) and v.dtype in _DTYPES
+              and isinstance(v.shape, list) and all(_is_int(s) and s >= 0 for s in v.shape)
+              and isinstance(v.stride, list) and len(v.stride) == len(v.shape) and all(_is_int(s) for s in v.stride)
+              and isinstance(v.hash, str) and _HEX32.match(v.hash) is not None and isinstance(v.device, str)
+              and isinstance(v.stats, dict) and _is_int(v.nbytes)
+              and v.nbytes == v.numel * torch_dtype(v.dtype).itemsize)
+        if not ok:
+            raise DivtraceError(f"{loc}: malformed tensor value {d.get('vid')!r}"[:300])
+        if v.vid in self.values:
+            raise DivtraceError(f"{loc}: tensor value {v.vid} defined twice")
+        if not (v.producer is None or (isinstance(rec, OpRecord) and v.producer == rec.index)):
+            raise DivtraceError(f"{loc}: tensor value {v.vid} names producer {v.producer!r}, not this record"[:300])
+        if full:
+            if not (isinstance(v.blob, str) and isinstance(v.shard, str) and _SHARD_NAME.match(v.shard)):
+                raise DivtraceError(f"{loc}: tensor value {v.vid} has no valid stored bytes in a full-mode trace")
+        elif v.blob is not None or v.shard is not None:
+            raise DivtraceError(f"{loc}: tensor value {v.vid} points to stored bytes in a hash-mode trace")
+        return v
+
+    def _pairs(self, pairs, loc: str, what: str) -> list[tuple[str, int]]:
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                                                  and _is_int(p[1]) for p in pairs):
+            raise DivtraceError(f"{loc}: malformed record: {what} must be [key, vid] pairs")
+        return [(k, v) for k, v in pairs]
+
+    def _add(self, d, loc: str) -> None:
+        if not isinstance(d, dict) or d.get("kind") not in ("enter", "exit", "op"):
+            raise DivtraceError(f"{loc}: not a divtrace record (missing or unknown 'kind')")
+        d = dict(d)
+        raw_values = d.pop("values", [])
+        cls = {"enter": ModuleEnter, "exit": ModuleExit, "op": OpRecord}[d["kind"]]
+        try:
+            rec = cls(**d)
+        except TypeError:
+            raise DivtraceError(f"{loc}: malformed {d['kind']} record (unknown or missing fields)") from None
+        if not (_is_int(rec.index) and _is_int(rec.call_id)):
+            raise DivtraceError(f"{loc}: malformed {d['kind']} record: index and call_id must be integers")
+        if rec.index != len(self.records):
+            raise DivtraceError(f"{loc}: record index {rec.index}, expected {len(self.records)}")
+        if not isinstance(raw_values, list):
+            raise DivtraceError(f"{loc}: malformed record: values must be a list")
+        values = [self._value(v, rec, loc) for v in raw_values]
+        if len({v.vid for v in values}) != len(values):
+            raise DivtraceError(f"{loc}: a tensor value is defined twice")
+        new = {v.vid: v for v in values}
+        if isinstance(rec, ModuleEnter):
+            rec.inputs = self._pairs(rec.inputs, loc, "inputs")
+            used = [v for _, v in rec.inputs]
+            if not (isinstance(rec.module, str) and _is_int(rec.call) and rec.call >= 0
+                    and (rec.parent is None or _is_int(rec.parent))):
+                raise DivtraceError(f"{loc}: malformed enter record")
+        elif isinstance(rec, ModuleExit):
+            rec.outputs = self._pairs(rec.outputs, loc, "outputs")
+            used = [v for _, v in rec.outputs]
+            if not _str_or_none(rec.error):
+                raise DivtraceError(f"{loc}: malformed exit record")
+        else:
+            if not (isinstance(rec.op, str) and isinstance(rec.args, list) and isinstance(rec.kwargs, dict)
+                    and isinstance(rec.inputs, list) and isinstance(rec.outputs, list)
+                    and all(_is_int(x) for x in rec.inputs + rec.outputs)):
+                raise DivtraceError(f"{loc}: malformed op record")
+            used = rec.inputs
+            for vid in rec.outputs:
+                v = new.get(vid)
+                if v is None or v.producer != rec.index:
+                    raise DivtraceError(f"{loc}: op output {vid} is not a value this op produced")
+        for vid in used:
+            if vid not in self.values and vid not in new:
+                raise DivtraceError(f"{loc}: refers to tensor value {vid}, which no record defines")
+        if any(v.producer is not None and v.vid not in rec.outputs for v in values):
+            raise DivtraceError(f"{loc}: a value names this op as producer but is not among its outputs")
+        self._link(rec, loc)
+        self.values.update(new)
+        self.records.append(rec)
 
     def _link(self, rec, loc: str) -> None:
-        vids = ([v for _, v in rec.inputs] if isinstance(rec, ModuleEnter) else
-                [v for _, v in rec.outputs] if isinstance(rec, ModuleExit) else rec.inputs + rec.outputs)
-        for vid in vids:
-            if vid not in self.values:
-                raise DivtraceError(f"{loc}: refers to tensor value {vid}, which no earlier record defines")
         if isinstance(rec, ModuleEnter):
             if rec.call_id in self.calls:
                 raise DivtraceError(f"{loc}: duplicate module call id {rec.call_id}")
+            if rec.parent is not None and rec.parent not in self._open:
+                raise DivtraceError(f"{loc}: parent call {rec.parent} is not a running module call")
+            if rec.call != self._call_counts.get(rec.module, 0):
+                raise DivtraceError(f"{loc}: {rec.module or '<root>'} call {rec.call} out of order (expected call "
+                                    f"{self._call_counts.get(rec.module, 0)})"[:300])
+            self._call_counts[rec.module] = rec.call + 1
             self.calls[rec.call_id] = ModuleCall(rec.call_id, rec.module, rec.call, rec.parent, rec.index, rec.inputs)
+            self._open.add(rec.call_id)
             if rec.parent is not None:
-                if rec.parent not in self.calls:
-                    raise DivtraceError(f"{loc}: parent call {rec.parent} not found")
                 self.calls[rec.parent].children.append(rec.call_id)
+            return
+        if rec.call_id not in self._open:
+            state = "already returned" if rec.call_id in self.calls else "never started"
+            raise DivtraceError(f"{loc}: refers to module call {rec.call_id}, which {state}")
+        call = self.calls[rec.call_id]
+        if isinstance(rec, ModuleExit):
+            call.exit_index, call.outputs = rec.index, rec.outputs
+            self._open.discard(rec.call_id)
         else:
-            call = self.calls.get(rec.call_id)
-            if call is None:
-                raise DivtraceError(f"{loc}: refers to module call {rec.call_id}, which never started")
-            if isinstance(rec, ModuleExit):
-                call.exit_index, call.outputs = rec.index, rec.outputs
-            else:
-                call.ops.append(rec.index)
+            call.ops.append(rec.index)
 
     # queries ----------------------------------------------------------------------------------------------
     @property
     def complete(self) -> bool:
         return bool(self.meta.get("complete")) and not self.torn_tail
+
+    @property
+    def status(self) -> str:
+        """meta's status, spelled out when the recording never closed (killed, or still running)."""
+        s = self.meta.get("status", "?")
+        if s == "running":
+            return "running (never closed: the recording process was killed or is still running)"
+        return s
 
     @property
     def mode(self) -> str:
@@ -165,6 +353,10 @@ class Trace:
     @property
     def label(self) -> str:
         return self.meta.get("label") or self.path.name
+
+    @property
+    def hash_scheme(self) -> str:
+        return self.meta["hash_scheme"]
 
     def has_bytes(self, vid: int) -> bool:
         return self.values[vid].blob is not None
@@ -177,17 +369,22 @@ class Trace:
         v = self.values[vid]
         if v.blob is None:
             raise DivtraceError(f"{self.path}: value {vid} has no stored bytes (trace recorded with mode='hash')")
+        where = self.path / v.shard
         shard = self._open_shard(v.shard, vid)
         try:
             flat = shard.get_tensor(v.blob)
         except Exception:
-            raise DivtraceError(f"{self.path / str(v.shard)}: tensor {v.blob} missing or unreadable") from None
-        if str(flat.dtype) != v.dtype or flat.numel() != v.numel:
-            raise DivtraceError(f"{self.path / v.shard}: tensor {v.blob} has dtype/size {flat.dtype}/{flat.numel()}, "
+            raise DivtraceError(f"{where}: tensor {v.blob} missing or unreadable") from None
+        dtype = torch_dtype(v.dtype)
+        if flat.dtype == torch.uint8 and dtype != torch.uint8 and flat.dim() == 1 \
+                and flat.numel() == v.numel * dtype.itemsize:
+            flat = flat.view(dtype)  # a dtype safetensors cannot hold, stored as raw bytes
+        if flat.dtype != dtype or flat.numel() != v.numel or flat.dim() != 1:
+            raise DivtraceError(f"{where}: tensor {v.blob} has dtype/size {flat.dtype}/{flat.numel()}, "
                                 f"the record says {v.dtype}/{v.numel}")
         t = flat.reshape(v.shape)
-        if tensor_hash(t) != v.hash:
-            raise DivtraceError(f"{self.path / v.shard}: tensor {v.blob} is corrupt (bytes do not match the recorded "
+        if self._hash(t) != v.hash:
+            raise DivtraceError(f"{where}: tensor {v.blob} is corrupt (bytes do not match the recorded "
                                 "fingerprint)")
         return t
 
@@ -196,13 +393,81 @@ class Trace:
             from safetensors import safe_open
 
             p = self.path / str(name)
-            if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith(".") or not p.is_file():
+            if not isinstance(name, str) or _SHARD_NAME.match(name) is None or not p.is_file():
                 raise DivtraceError(f"{self.path}: value {vid} points to missing shard {name!r}")
             try:
                 self._shards[name] = safe_open(str(p), framework="pt")
             except Exception as e:
                 raise DivtraceError(f"{p}: truncated or corrupt safetensors shard ({type(e).__name__})") from None
         return self._shards[name]
+
+    # integrity --------------------------------------------------------------------------------------------
+    def shard_problems(self) -> list[str]:
+        """Every problem with the stored bytes: a shard missing, not matching its sha256, or lacking a tensor
+        a record points to. Shards with no recorded sha256 (checksums.jsonl lost) are checked tensor by tensor
+        against the fingerprints instead. Streams each file once; no tensor is deserialized when sums exist."""
+        by_shard: dict[str, list[int]] = {}
+        for vid, v in self.values.items():
+            if v.shard is not None:
+                by_shard.setdefault(v.shard, []).append(vid)
+        problems = []
+        for name in sorted(by_shard):
+            p = self.path / name
+            if not p.is_file():
+                problems.append(f"{p}: shard missing ({len(by_shard[name])} tensor values point to it)")
+                continue
+            want = self._shard_sums.get(name)
+            if want is None:
+                problems += self._check_tensors(by_shard[name])
+                continue
+            try:
+                got = _sha256_file(p)
+            except OSError as e:
+                problems.append(f"{p}: cannot read: {e.strerror or e}")
+                continue
+            if got != want:
+                problems.append(f"{p}: contents do not match the recorded sha256 (truncated, edited or corrupted)")
+                continue
+            try:
+                keys = set(self._open_shard(name, by_shard[name][0]).keys())
+            except DivtraceError as e:
+                problems.append(str(e))
+                continue
+            missing = sorted({self.values[vid].blob for vid in by_shard[name]} - keys)
+            if missing:
+                problems.append(f"{p}: has no tensor {missing[0]}, which a record points to")
+        return problems
+
+    def _check_tensors(self, vids: list[int]) -> list[str]:
+        problems, seen = [], set()
+        for vid in vids:
+            if self.values[vid].blob in seen:
+                continue
+            seen.add(self.values[vid].blob)
+            try:
+                self.tensor(vid)
+            except DivtraceError as e:
+                problems.append(str(e))
+        return problems
+
+    def verify_shards(self) -> None:
+        """Raise DivtraceError (naming the file) unless every stored byte is what the recording wrote. Bisect
+        calls it before it reports "identical", which it otherwise decides from fingerprints alone."""
+        if self._shards_verified:
+            return
+        problems = self.shard_problems()
+        if problems:
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise DivtraceError(problems[0] + more)
+        self._shards_verified = True
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def open_trace(path) -> Trace:

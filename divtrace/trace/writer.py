@@ -4,9 +4,17 @@ Records are buffered together with the tensors they define. A flush first writes
 safetensors shard (atomically), then appends the records to records.jsonl. So every record on disk refers only
 to bytes already on disk, and a crash at any moment leaves a readable prefix. Memory stays bounded by
 `shard_bytes` because pending tensors are flushed as soon as they exceed it.
+
+Integrity: before each append, `checksums.jsonl` gets the sha256 of every new shard and of records.jsonl as
+it will be after the append (a running digest). A reader verifies the records prefix a SIGKILL left behind,
+and any shard, from it. `close` also copies the final digests into meta.json. A failed write (disk full)
+stops the recording: records.jsonl is cut back to its last whole flush, the trace is marked "error" and a
+DivtraceError says what failed.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import time
@@ -16,9 +24,18 @@ import torch
 from safetensors.torch import save as st_save
 
 from divtrace.errors import DivtraceError
-from divtrace.fingerprint import summary_stats, tensor_hash
-from divtrace.records import FORMAT_VERSION, TensorValue, record_to_json
-from divtrace.trace.files import META, RECORDS, SHARD_GLOB, SHARD_PATTERN, atomic_write_bytes, atomic_write_json
+from divtrace.fingerprint import HASH_SCHEME, fingerprint
+from divtrace.records import FORMAT_VERSION, TensorValue
+from divtrace.trace.files import (CHECKSUMS, META, RECORDS, SHARD_GLOB, SHARD_PATTERN, atomic_write_bytes,
+                                  atomic_write_json)
+
+# dtypes safetensors stores natively; any other (complex128, complex32, float8_e8m0fnu, ...) is stored as its
+# raw bytes (uint8) and viewed back by the reader.
+_ST_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool, torch.complex64, torch.uint16, torch.uint32, torch.uint64}
+for _n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _n):
+        _ST_DTYPES.add(getattr(torch, _n))
 
 
 def _json_safe(x):
@@ -31,21 +48,42 @@ def _json_safe(x):
     return x
 
 
+def _record_line(rec, values: list[TensorValue]) -> str:
+    # Records and values are flat dataclasses of JSON-ready fields (stats were made safe when taken), so
+    # their __dict__ serializes directly: dataclasses.asdict deep-copies and was a third of the overhead.
+    d = dict(rec.__dict__)
+    if values:
+        d["values"] = [v.__dict__ for v in values]
+    try:
+        return json.dumps(d, allow_nan=False, separators=(",", ":"))
+    except ValueError:  # a non-finite float slipped into an op argument
+        return json.dumps(_json_safe(d), allow_nan=False, separators=(",", ":"))
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def prepare_trace_dir(path: Path, overwrite: bool) -> None:
     """Create `path`, refusing to mix with an existing trace or with unrelated files."""
     if path.exists() and not path.is_dir():
         raise DivtraceError(f"{path}: exists and is not a directory")
-    if path.is_dir():
-        entries = [p for p in path.iterdir()]
-        if (path / META).exists():
-            if not overwrite:
-                raise DivtraceError(f"{path}: already holds a trace (pass overwrite=True / --overwrite to replace it)")
-            for p in entries:
-                if p.name in (META, RECORDS) or p.match(SHARD_GLOB) or p.name.endswith(".tmp"):
-                    p.unlink()
-        elif entries:
-            raise DivtraceError(f"{path}: directory is not empty and holds no trace; choose a new directory")
     try:
+        if path.is_dir():
+            entries = list(path.iterdir())
+            if (path / META).exists():
+                if not overwrite:
+                    raise DivtraceError(f"{path}: already holds a trace (pass overwrite=True / --overwrite to "
+                                        "replace it)")
+                for p in entries:
+                    if p.name in (META, RECORDS, CHECKSUMS) or p.match(SHARD_GLOB) or p.name.endswith(".tmp"):
+                        p.unlink()
+            elif entries:
+                raise DivtraceError(f"{path}: directory is not empty and holds no trace; choose a new directory")
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".divtrace-write-probe"
         probe.write_bytes(b"")
@@ -63,19 +101,32 @@ class TraceWriter:
         self.mode = mode
         prepare_trace_dir(self.path, overwrite)
         self.meta = dict(meta, format_version=FORMAT_VERSION, mode=mode, status="running", complete=False,
-                         started=time.time())
+                         started=time.time(), hash_scheme=HASH_SCHEME)
         self._shard_bytes = shard_bytes
-        self._flush_records = flush_records
-        self._pending_records: list[str] = []
+        self._flush_records = max(1, int(flush_records))
+        self._pending_records: list = []
         self._pending_tensors: dict[str, torch.Tensor] = {}
         self._pending_nbytes = 0
         self._blobs: dict[str, str] = {}  # blob key -> shard file it lives in
         self._shards: list[str] = []
+        self._shard_sums: dict[str, str] = {}
+        self._records_sha = hashlib.sha256()
+        self._records_size = 0  # bytes of records.jsonl known to be whole on disk
+        self._sums_size = 0
+        self.critical = False  # True while a flush writes: the recorder's signal handlers wait for it
+        self.deferred: BaseException | None = None
         self._next_vid = 0
-        self.n_records = 0
+        self.n_records = 0  # records handed to append()
+        self.n_written = 0  # records on disk
         self.bytes_written = 0
-        atomic_write_json(self.path / META, _json_safe(self.meta))
-        self._records_file = open(self.path / RECORDS, "ab")
+        self.failed: str | None = None  # set when a write failed; nothing more is written after that
+        self._closed = False
+        try:
+            atomic_write_json(self.path / META, _json_safe(self.meta))
+            self._records_fd = os.open(self.path / RECORDS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._sums_fd = os.open(self.path / CHECKSUMS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            raise DivtraceError(f"{self.path}: cannot start the trace: {e.strerror or e}") from None
 
     # values ---------------------------------------------------------------------------------------------
     def take_vid(self) -> int:
@@ -86,15 +137,17 @@ class TraceWriter:
     def new_value(self, t: torch.Tensor, producer: int | None) -> TensorValue:
         """Fingerprint `t` now (and keep a copy of its bytes in full mode), returning its new value."""
         t = t.detach()
-        h = tensor_hash(t)
+        h, stats, flat = fingerprint(t)
         v = TensorValue(vid=self.take_vid(), dtype=str(t.dtype), shape=list(t.shape), stride=list(t.stride()),
-                        hash=h, device=str(t.device), stats=_json_safe(summary_stats(t)), producer=producer,
+                        hash=h, device=str(t.device), stats=_json_safe(stats), producer=producer,
                         nbytes=t.numel() * t.element_size())
         if self.mode == "full":
             # Content-addressed: views, reshapes and copies of the same bytes share one blob.
             key = f"{str(t.dtype).removeprefix('torch.')}-{t.numel()}-{h}"
             if key not in self._blobs and key not in self._pending_tensors:
-                self._pending_tensors[key] = t.to("cpu", copy=True).contiguous().reshape(-1)
+                # `flat` is already a private copy when `t` was not contiguous; otherwise it aliases `t`.
+                keep = flat if flat.data_ptr() != t.data_ptr() or flat.numel() == 0 else flat.clone()
+                self._pending_tensors[key] = keep.to("cpu")
                 self._pending_nbytes += v.nbytes
             v.blob = key
             v.shard = self._blobs.get(key)  # filled at flush for pending blobs
@@ -102,45 +155,126 @@ class TraceWriter:
 
     # records --------------------------------------------------------------------------------------------
     def append(self, rec, values: list[TensorValue]) -> None:
+        if self.failed:
+            raise DivtraceError(f"{self.path}: recording stopped after a failed write ({self.failed})")
         self._pending_records.append((rec, values))
         self.n_records += 1
         if self._pending_nbytes >= self._shard_bytes or len(self._pending_records) >= self._flush_records:
             self.flush()
 
     def flush(self) -> None:
-        shard = None
+        if self.failed:
+            return
+        self.critical = True
+        try:
+            self._write_pending()
+        except OSError as e:
+            self._fail(e)
+        finally:
+            self.critical = False
+        if self.deferred is not None:  # a signal came while writing: raise it now that the files are whole
+            exc, self.deferred = self.deferred, None
+            raise exc
+
+    def _fail(self, e: OSError) -> None:
+        what = e.strerror or str(e)
+        if e.errno == errno.ENOSPC:
+            what = "no space left on device"
+        self.failed = f"write failed: {what}"
+        self._pending_tensors, self._pending_records, self._pending_nbytes = {}, [], 0
+        raise DivtraceError(f"{self.path}: {self.failed}; recording stopped, the trace keeps the "
+                            f"{self.n_written} records written before and is marked incomplete") from None
+
+    def _write_pending(self) -> None:
+        sums = []
         if self._pending_tensors:
             shard = SHARD_PATTERN.format(len(self._shards))
-            data = st_save(self._pending_tensors)
+            data = st_save({k: t if t.dtype in _ST_DTYPES else t.view(torch.uint8)
+                            for k, t in self._pending_tensors.items()})
             atomic_write_bytes(self.path / shard, data)
+            digest = hashlib.sha256(data).hexdigest()
             self.bytes_written += len(data)
             self._shards.append(shard)
+            self._shard_sums[shard] = digest
+            sums.append({"shard": shard, "sha256": digest, "bytes": len(data)})
             for key in self._pending_tensors:
                 self._blobs[key] = shard
             self._pending_tensors = {}
             self._pending_nbytes = 0
-        if self._pending_records:
-            lines = []
-            for rec, values in self._pending_records:
-                for v in values:
-                    if v.blob is not None and v.shard is None:
-                        v.shard = self._blobs[v.blob]
-                lines.append(json.dumps(_json_safe(record_to_json(rec, values)), allow_nan=False))
-            data = ("\n".join(lines) + "\n").encode()
-            self._records_file.write(data)
-            self._records_file.flush()
-            self.bytes_written += len(data)
-            self._pending_records = []
+        if not self._pending_records:
+            if sums:
+                self._append_sums(sums)
+            return
+        lines = []
+        for rec, values in self._pending_records:
+            for v in values:
+                if v.blob is not None and v.shard is None:
+                    v.shard = self._blobs[v.blob]
+            lines.append(_record_line(rec, values))
+        data = ("\n".join(lines) + "\n").encode()
+        running = self._records_sha.copy()
+        running.update(data)
+        sums.append({"records": self._records_size + len(data), "sha256": running.hexdigest()})
+        # The digest goes first: a crash between the two writes leaves a digest for bytes that never came,
+        # which the reader skips, never bytes without a digest.
+        self._append_sums(sums)
+        self._append(self._records_fd, data, self._records_size)
+        self._records_sha = running
+        self._records_size += len(data)
+        self.bytes_written += len(data)
+        self.n_written += len(self._pending_records)
+        self._pending_records = []
+
+    def _append_sums(self, sums: list[dict]) -> None:
+        data = "".join(json.dumps(s, separators=(",", ":")) + "\n" for s in sums).encode()
+        self._append(self._sums_fd, data, self._sums_size)
+        self._sums_size += len(data)
+
+    def _append(self, fd: int, data: bytes, whole_size: int | None) -> None:
+        """Write all of `data`; on any failure cut the file back to `whole_size` so no half line stays."""
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+        except BaseException:
+            if whole_size is not None:
+                try:
+                    os.ftruncate(fd, whole_size)
+                except OSError:
+                    pass
+            raise
 
     def close(self, status: str = "complete", error: str | None = None, **extra) -> None:
         """Flush everything and mark the trace; `status` other than "complete" marks it incomplete."""
+        if self._closed:
+            return
+        self._closed = True
+        flush_error = None
         try:
             self.flush()
-        finally:
+        except BaseException as e:  # a failed write, or a signal held during the last write
+            flush_error = e
+        if self.failed:
+            status, error = "error", self.failed
+        for fd in (self._records_fd, self._sums_fd):
             try:
-                os.fsync(self._records_file.fileno())
-            finally:
-                self._records_file.close()
-            self.meta.update(status=status, complete=(status == "complete"), error=error, records=self.n_records,
-                             shards=list(self._shards), finished=time.time(), **extra)
+                os.fsync(fd)
+            except OSError:
+                pass
+            os.close(fd)
+        self.meta.update(status=status, complete=(status == "complete"), error=error, records=self.n_written,
+                         shards=list(self._shards), finished=time.time(),
+                         checksums={"records": {"sha256": self._records_sha.hexdigest(), "bytes": self._records_size},
+                                    "shards": dict(self._shard_sums)},
+                         **extra)
+        try:
             atomic_write_json(self.path / META, _json_safe(self.meta))
+        except OSError as e:
+            # meta.json keeps status "running": still read as incomplete, and the records stay verifiable
+            # from checksums.jsonl.
+            if flush_error is None or not isinstance(flush_error, DivtraceError):
+                raise DivtraceError(f"{self.path / META}: cannot write the final metadata: {e.strerror or e}; "
+                                    "the trace is left marked incomplete") from None
+        if flush_error is not None:
+            raise flush_error
