@@ -6,12 +6,12 @@ produced them, or at a value that came from outside (a parameter, a model input)
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 FORMAT_VERSION = 1
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorValue:
     """One tensor value as it was when produced: layout, bit-exact fingerprint, stats, where its bytes are."""
 
@@ -39,7 +39,7 @@ class TensorValue:
         return self.dtype == other.dtype and self.shape == other.shape and self.hash == other.hash
 
 
-@dataclass
+@dataclass(slots=True)
 class ModuleEnter:
     """A module call starts; its inputs are taken here, before its code runs."""
 
@@ -52,7 +52,7 @@ class ModuleEnter:
     kind: str = "enter"
 
 
-@dataclass
+@dataclass(slots=True)
 class ModuleExit:
     index: int
     call_id: int
@@ -61,7 +61,7 @@ class ModuleExit:
     kind: str = "exit"
 
 
-@dataclass
+@dataclass(slots=True)
 class OpRecord:
     """One aten (or custom) op run inside a module call, attributed to the innermost recorded call."""
 
@@ -79,14 +79,7 @@ class OpRecord:
 RECORD_TYPES = {"enter": ModuleEnter, "exit": ModuleExit, "op": OpRecord}
 
 
-def record_to_json(rec, values: list[TensorValue]) -> dict:
-    d = asdict(rec)
-    if values:
-        d["values"] = [asdict(v) for v in values]
-    return d
-
-
-@dataclass
+@dataclass(slots=True)
 class ModuleCall:
     """A module call reassembled from its enter/exit records (what bisect walks)."""
 
@@ -104,3 +97,78 @@ class ModuleCall:
     @property
     def key(self) -> tuple[str, int]:
         return (self.module, self.call)
+
+
+# -- compact on-disk form ------------------------------------------------------------------------------------
+# A hash-mode record must stay small (issue 2: at most 300 bytes), so records.jsonl uses short keys, omits
+# what can be derived (nbytes from shape and dtype; a contiguous stride; absmax from min/max) and rounds the summary stats
+# (informational only: equality is decided by the hash): min/max to 9 significant digits, mean to 7.
+_STAT_KEYS = ("min", "max", "mean", "nan", "inf")
+
+
+def vids_in(x, out: list) -> list:
+    if isinstance(x, dict):
+        if len(x) == 1 and "$v" in x:
+            out.append(x["$v"])
+        else:
+            for y in x.values():
+                vids_in(y, out)
+    elif isinstance(x, list):
+        for y in x:
+            vids_in(y, out)
+    return out
+
+
+def contiguous_stride(shape) -> list[int]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return stride[::-1]
+
+
+def _short(x, digits: int):
+    return float(f"{x:.{digits}g}") if isinstance(x, float) else x
+
+
+def _value_compact(v: TensorValue) -> dict:
+    d = {"v": v.vid, "d": v.dtype.removeprefix("torch."), "s": v.shape, "h": v.hash}
+    if v.producer is not None:
+        d["p"] = v.producer
+    if v.stride != contiguous_stride(v.shape):
+        d["t"] = v.stride
+    if v.device != "cpu":
+        d["dev"] = v.device
+    st = v.stats
+    if st:
+        if set(st) == {"min", "max", "mean", "absmax", "nan", "inf"}:
+            # min/max keep 9 digits (exact for fp32 and narrower: repro draws inputs in that range)
+            d["m"] = [_short(st[k], 7 if k == "mean" else 9) for k in _STAT_KEYS]
+        else:
+            d["M"] = st
+    if v.blob is not None:
+        d["b"] = v.blob
+        d["f"] = v.shard
+    return d
+
+
+def record_compact(rec, values: list[TensorValue]) -> dict:
+    """The JSON object written to records.jsonl for one record."""
+    if isinstance(rec, ModuleEnter):
+        d = {"k": "e", "i": rec.index, "c": rec.call_id, "m": rec.module, "n": rec.call, "in": rec.inputs}
+        if rec.parent is not None:
+            d["p"] = rec.parent
+    elif isinstance(rec, ModuleExit):
+        d = {"k": "x", "i": rec.index, "c": rec.call_id, "out": rec.outputs}
+        if rec.error is not None:
+            d["err"] = rec.error
+    else:
+        d = {"k": "o", "i": rec.index, "c": rec.call_id, "op": rec.op, "a": rec.args, "o": rec.out}
+        if rec.kwargs:
+            d["kw"] = rec.kwargs
+        # Explicit although derivable: reading them is much cheaper than walking args for {"$v"} references.
+        d["in"] = rec.inputs
+        d["out"] = rec.outputs
+    if values:
+        d["V"] = [_value_compact(v) for v in values]
+    return d

@@ -232,3 +232,25 @@ def test_whole_trace_against_narrowed_trace(tmp_path, narrow_side):
     assert r.verdict == "diverged"
     assert (r.first.module, r.first.op, r.first.op_b) == PLANTED["sdpa"][:1] + PLANTED["sdpa"][2:]
     assert r.unmatched[narrow_side] == 0 and r.unmatched["b" if narrow_side == "a" else "a"] > 0
+
+
+class _Chain(nn.Module):
+    """One module whose own code is a chain of thousands of ops (a long decode loop, say)."""
+
+    def __init__(self, bump: float, n: int = 3000):
+        super().__init__()
+        self.bump, self.n = bump, n
+
+    def forward(self, x):
+        for _ in range(self.n):
+            x = x + 1.0
+        return x * (1.0 + self.bump)
+
+
+def test_long_op_chain_does_not_recurse(tmp_path):
+    """Regression: localizing inside a call with a 3000-op dependency chain hit Python's recursion limit."""
+    x = torch.zeros(4)
+    record_model(_Chain(0.0), (x,), tmp_path / "a", mode="hash")
+    record_model(_Chain(1e-3), (x,), tmp_path / "b", mode="hash")
+    r = divtrace.bisect(tmp_path / "a", tmp_path / "b")
+    assert r.verdict == "diverged" and r.first.module == "" and r.first.op == "aten.mul.Tensor"

@@ -319,15 +319,15 @@ def test_runner_checks_exit_codes(tmp_path, monkeypatch, capsys):
 
 # -- docs/json.md lists exactly the keys bisect --json emits ------------------------------------------------------
 
-def _documented_keys(doc: Path) -> dict[str, set[str]]:
-    """Backticked names in the first column of each section's table, by section heading."""
+def _documented_keys(doc: Path, column: int = 1) -> dict[str, set[str]]:
+    """Backticked names in one column of each section's table (the first by default), by section heading."""
     keys, section = {}, None
     for line in doc.read_text().splitlines():
         if re.match(r"^#{2,4} ", line):
             section = line.lstrip("#").strip()
             keys[section] = set()
-        elif section and line.startswith("| `"):
-            keys[section].update(re.findall(r"`([a-z_]+)`", line.split("|")[1]))
+        elif section and line.startswith("| ") and not line.startswith("|--") and len(line.split("|")) > column + 1:
+            keys[section].update(re.findall(r"`([A-Za-z_]+)`", line.split("|")[column]))
     return keys
 
 
@@ -371,11 +371,12 @@ def test_trace_format_doc_lists_every_field(recorded_trace):
     from divtrace.settings import numerics_settings
 
     doc_path = ROOT / "docs" / "trace-format.md"
-    doc, text = _documented_keys(doc_path), doc_path.read_text()
-    section = lambda prefix: next(v for k, v in doc.items() if k.startswith(prefix))  # noqa: E731
+    doc, fields_doc, text = _documented_keys(doc_path), _documented_keys(doc_path, 2), doc_path.read_text()
+    section = lambda prefix, d=doc: next(v for k, v in d.items() if k.startswith(prefix))  # noqa: E731
     for cls, prefix in ((records.ModuleEnter, "`enter`"), (records.ModuleExit, "`exit`"),
                         (records.OpRecord, "`op`"), (records.TensorValue, "Tensor values")):
-        assert {f.name for f in dataclasses.fields(cls)} == section(prefix), cls.__name__
+        # the record tables name both the key on disk (column 1) and the dataclass field it fills (column 2)
+        assert {f.name for f in dataclasses.fields(cls)} == section(prefix, fields_doc), cls.__name__
     meta = json.loads((recorded_trace / "meta.json").read_text())
     missing = set(meta) - section("meta.json")
     assert not missing, f"meta.json fields not documented: {sorted(missing)}"
@@ -383,7 +384,13 @@ def test_trace_format_doc_lists_every_field(recorded_trace):
     assert f"`\"{meta['hash_scheme']}\"`" in text  # the current scheme is named
     tags = set(re.findall(r'"(\$[a-z_]+)"', inspect.getsource(recorder.encode_constant)))
     assert tags and all(f'"{t}"' in text for t in tags), "an argument encoding tag is not documented"
-    first = json.loads((recorded_trace / "records.jsonl").read_text().splitlines()[0])
-    assert set(first) - {"values"} == section("`enter`") and "`values`" in text
+    lines = [json.loads(x) for x in (recorded_trace / "records.jsonl").read_text().splitlines()]
+    on_disk = {"e": set(), "x": set(), "o": set(), "v": set()}
+    for rec in lines:
+        on_disk[rec["k"]].update(rec)
+        for v in rec.get("V", []):
+            on_disk["v"].update(v)
+    for k, prefix in (("e", "`enter`"), ("x", "`exit`"), ("o", "`op`"), ("v", "Tensor values")):
+        assert on_disk[k] <= section(prefix), (prefix, sorted(on_disk[k] - section(prefix)))
     for line in (recorded_trace / "checksums.jsonl").read_text().splitlines():
         assert all(f'"{k}"' in text for k in json.loads(line)), line

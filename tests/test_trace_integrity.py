@@ -72,13 +72,13 @@ def test_hand_edited_records_of_a_closed_trace(pair, tmp_path, edit):
     bad = copy_trace(pair[0], tmp_path / "bad")
     p = bad / "records.jsonl"
     lines = p.read_text().splitlines()
-    i = next(n for n, line in enumerate(lines) if '"kind":"op"' in line and '"values"' in line)
+    i = next(n for n, line in enumerate(lines) if '"k":"o"' in line and '"V"' in line)
     rec = json.loads(lines[i])
     if edit == "hash":
-        h = rec["values"][-1]["hash"]
-        rec["values"][-1]["hash"] = ("1" if h[0] != "1" else "2") + h[1:]
+        h = rec["V"][-1]["h"]
+        rec["V"][-1]["h"] = ("1" if h[0] != "1" else "2") + h[1:]
     elif edit == "stats":
-        rec["values"][-1]["stats"]["max"] = 1234.5
+        rec["V"][-1]["m"][1] = 1234.5
     elif edit == "op":
         rec["op"] = "aten.sub.Tensor"
     lines[i] = json.dumps(rec, separators=(",", ":"))
@@ -177,7 +177,7 @@ def test_unclosed_trace_is_verified_from_checksums_file(pair, tmp_path):
     p.write_bytes(raw + raw[:25])  # a flush the run did not finish: dropped, trace still opens
     tr = Trace(t)
     assert tr.torn_tail and len(tr.records) == raw.count(b"\n")
-    p.write_bytes(raw.replace(b'"kind":"op"', b'"kind":"op" ', 1))  # an edit inside verified bytes
+    p.write_bytes(raw.replace(b'"k":"o"', b'"k":"o" ', 1))  # an edit inside verified bytes
     with pytest.raises(DivtraceError, match="checksums.jsonl"):
         Trace(t)
     (t / "checksums.jsonl").unlink()

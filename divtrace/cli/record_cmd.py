@@ -44,8 +44,12 @@ def record(
                                label=label or out.name, overwrite=overwrite, grad_mode=grad_mode)
     except DivtraceError:
         raise
-    except KeyboardInterrupt:
-        raise
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the recorder already closed the trace and marked it
+        from divtrace.cli.output import error
+
+        what = "terminated (SIGTERM)" if type(e).__name__ == "RecordingTerminated" else "interrupted"
+        error(f"{what}; the partial trace in {out} is marked incomplete")
+        return 130
     except Exception as e:
         if (out / "meta.json").exists():
             raise DivtraceError(f"ENTRY {entry} raised {type(e).__name__}: {e}; the partial trace in {out} is marked "

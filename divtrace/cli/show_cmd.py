@@ -15,7 +15,8 @@ def trace_summary(t) -> dict:
     ops = Counter(r.op for r in t.records if r.kind == "op")
     files = {p.name: p.stat().st_size for p in t.path.iterdir() if p.is_file() and not p.name.startswith(".")}
     meta = {k: v for k, v in t.meta.items() if k not in ("module_tree",)}
-    return {"path": str(t.path), "meta": meta, "complete": t.complete, "records": len(t.records),
+    return {"path": str(t.path), "meta": meta, "complete": t.complete, "status": getattr(t, "status", None),
+            "warnings": list(getattr(t, "warnings", [])), "records": len(t.records),
             "ops": sum(ops.values()), "module_calls": len(t.calls), "values": len(t.values),
             "stored_bytes": sum(files.values()), "files": files,
             "module_tree": [{"module": m, "class": c, "calls": calls.get(m, 0)} for m, c in t.meta.get("module_tree", [])],
@@ -49,7 +50,7 @@ def show(
     else:
         m = t.meta
         o.line(f"trace {t.path}  label={t.label}  mode={t.mode}  format_version={m.get('format_version')}  "
-               f"status={m.get('status')}{'' if t.complete else '  (INCOMPLETE)'}")
+               f"status={getattr(t, 'status', m.get('status'))}{'' if t.complete else '  (INCOMPLETE)'}")
         o.line(f"torch {m.get('torch_version')}  device {m.get('device')}  model {m.get('model_class')}  "
                f"entry {m.get('entry') or '-'}")
         o.line(f"{s['records']} records: {s['ops']} ops, {s['module_calls']} module calls, {s['values']} values; "
@@ -58,7 +59,7 @@ def show(
         o.table("module tree", ["module", "class", "calls"],
                 [[r["module"] or "<root>", r["class"], r["calls"]] for r in s["module_tree"]])
         o.table("most frequent ops", ["op", "count"], [list(x) for x in s["top_ops"]])
-        for w in m.get("warnings") or []:
+        for w in list(m.get("warnings") or []) + list(getattr(t, "warnings", [])):
             o.warn(w)
         if check_result is not None:
             if check_result["ok"]:

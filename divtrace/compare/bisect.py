@@ -67,20 +67,31 @@ def is_computing(rec: OpRecord, trace: Trace) -> bool:
     return False
 
 
-def constant_derived(trace: Trace, index: int, memo: dict) -> bool:
+def constant_derived(trace: Trace, index: int, memo: dict, scope: set | None = None) -> bool:
     """True for ops computed from constants alone (a causal mask from `full`+`triu`, an `arange`): they carry
-    no data from the inputs, so they are never where two computations of the data part."""
-    if index in memo:
-        return memo[index]
-    memo[index] = False  # cycles cannot happen, but a deep chain must not recurse forever
-    result = True
-    for vid in trace.records[index].inputs:
-        p = trace.values[vid].producer
-        if p is None or not constant_derived(trace, p, memo):
-            result = False
-            break
-    memo[index] = result
-    return result
+    no data from the inputs, so they are never where two computations of the data part. With `scope` (the op
+    indices of one call's own code) a value from outside it counts as data, which keeps the walk inside the
+    call; without, it is iterative anyway: a chain of producers can be as long as the run."""
+    stack = [index]
+    while stack:
+        i = stack[-1]
+        if i in memo:
+            stack.pop()
+            continue
+        result, pending = True, []
+        for vid in trace.records[i].inputs:
+            p = trace.values[vid].producer
+            if p is None or memo.get(p) is False or (scope is not None and p not in scope):
+                result = False
+                break
+            if p not in memo:
+                pending.append(p)
+        if result and pending:
+            stack.extend(pending)  # producers have lower indices: no cycles
+        else:
+            memo[i] = result
+            stack.pop()
+    return memo[index]
 
 
 @dataclass
@@ -157,6 +168,7 @@ class _Walker:
     def __init__(self, a: Trace, b: Trace, pairing: Pairing, cmp: ValueComparator):
         self.a, self.b, self.pairing, self.cmp = a, b, pairing, cmp
         self._differs: dict[int, bool] = {}
+        self._op_mismatch: dict[tuple[int, int], tuple | None] = {}
 
     # -- tree -----------------------------------------------------------------------------------------------
     def child_pairs(self, ca: ModuleCall, cb: ModuleCall):
@@ -175,11 +187,12 @@ class _Walker:
         return [(ra, rb) for ra, rb in zip(ops_a, ops_b) if len(ra.outputs) == len(rb.outputs)]
 
     def first_op_mismatch(self, ca, cb):
-        for ra, rb in self.op_pairs(ca, cb):
-            for va, vb in zip(ra.outputs, rb.outputs):
-                if not self.cmp.same(va, vb):
-                    return ra, rb, va, vb
-        return None
+        key = (ca.call_id, cb.call_id)
+        if key not in self._op_mismatch:
+            self._op_mismatch[key] = next(((ra, rb, va, vb) for ra, rb in self.op_pairs(ca, cb)
+                                           for va, vb in zip(ra.outputs, rb.outputs) if not self.cmp.same(va, vb)),
+                                          None)
+        return self._op_mismatch[key]
 
     def differs(self, ca: ModuleCall, cb: ModuleCall) -> bool:
         hit = self._differs.get(ca.call_id)
@@ -249,8 +262,8 @@ class _Walker:
         reg_b = self.region(self.b, cb, vb, self._span_hashes(self.a, ca))
         d.region_a = [(i, self.a.records[i].op) for i in reg_a]
         d.region_b = [(i, self.b.records[i].op) for i in reg_b]
-        part_a = self._parting(self.a, reg_a)
-        part_b = self._parting(self.b, reg_b)
+        part_a = self._parting(self.a, reg_a, ca.ops)
+        part_b = self._parting(self.b, reg_b, cb.ops)
         if part_a is None and part_b is None:
             return d
         d.kind = "op"
@@ -267,9 +280,10 @@ class _Walker:
         return d
 
     @staticmethod
-    def _parting(t: Trace, region: list[int]) -> int | None:
+    def _parting(t: Trace, region: list[int], own: list[int]) -> int | None:
         memo: dict = {}
-        data = [i for i in region if not constant_derived(t, i, memo)]
+        scope = set(own)
+        data = [i for i in region if not constant_derived(t, i, memo, scope)]
         return next((i for i in data if is_computing(t.records[i], t)), (data or region or [None])[0])
 
     def _divergence(self, ca, cb, va, vb, what, cause) -> Divergence:
@@ -357,9 +371,10 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
             "calls); if the two stacks name modules differently, pass --map FILE")
     cmp = ValueComparator(ta, tb, tol)
     walker = _Walker(ta, tb, pairing, cmp)
-    warnings = [f"trace {t.path} is incomplete (status: {t.meta.get('status')}"
+    warnings = [f"trace {t.path} is incomplete (status: {getattr(t, 'status', t.meta.get('status'))}"
                 + (f", {t.meta['error']}" if t.meta.get("error") else "") + "): only what ran before it stopped is compared"
                 for t in (ta, tb) if not t.complete]
+    warnings += [w for t in (ta, tb) for w in getattr(t, "warnings", [])]
     first = None
     for ra, rb in _top_pairs(ta, pairing):
         if walker.differs(ra, rb):

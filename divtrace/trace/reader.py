@@ -8,6 +8,7 @@ covers what a killed run left). Tensor bytes are checked against their fingerpri
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import re
@@ -17,7 +18,7 @@ import torch
 
 from divtrace.errors import DivtraceError
 from divtrace.fingerprint import HASH_SCHEME, hasher
-from divtrace.records import FORMAT_VERSION, ModuleCall, ModuleEnter, ModuleExit, OpRecord, TensorValue
+from divtrace.records import FORMAT_VERSION, contiguous_stride, vids_in, ModuleCall, ModuleEnter, ModuleExit, OpRecord, TensorValue
 from divtrace.trace.files import CHECKSUMS, META, RECORDS
 
 _DTYPES = {}
@@ -76,6 +77,7 @@ class Trace:
         self.path = Path(path)
         self._check_dir()
         self.meta = self._read_meta()
+        self._full = self.meta["mode"] == "full"
         self._hash = hasher(self.meta["hash_scheme"])
         self.records: list = []
         self.values: dict[int, TensorValue] = {}
@@ -199,6 +201,18 @@ class Trace:
         return checkpoints
 
     def _read_records(self) -> None:
+        # Building hundreds of thousands of small objects triggers the cyclic GC over and over (it was most of
+        # the load time); none of them form cycles, so it is paused while reading.
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._read_records_unpaused()
+        finally:
+            if was_enabled:
+                gc.freeze()  # keep them out of later collections too: re-scanning a million records costs seconds
+                gc.enable()
+
+    def _read_records_unpaused(self) -> None:
         where = self.path / RECORDS
         raw = self._verified_records()
         lines = raw.split(b"\n")
@@ -208,12 +222,26 @@ class Trace:
             # No newline at the end (only possible without checksums): the line was being written.
             lines.pop()
             self.torn_tail = True
+        parsed = None
+        if getattr(self, "verified", True):
+            # Bytes a checksum vouches for are lines divtrace wrote, one object each: one parse for the whole
+            # file is several times faster than one per line. Anything else goes line by line, so a bad line is
+            # named.
+            try:
+                parsed = json.loads(b"[" + b",".join(lines) + b"]")
+            except (ValueError, RecursionError):
+                parsed = None
+        if parsed is not None and len(parsed) != len(lines):
+            parsed = None
         for n, line in enumerate(lines, 1):
             loc = f"{where}:{n}"
-            try:
-                d = json.loads(line)
-            except (ValueError, RecursionError):
-                raise DivtraceError(f"{loc}: corrupt record (not JSON)") from None
+            if parsed is not None:
+                d = parsed[n - 1]
+            else:
+                try:
+                    d = json.loads(line)
+                except (ValueError, RecursionError):
+                    raise DivtraceError(f"{loc}: corrupt record (not JSON)") from None
             try:
                 self._add(d, loc)
             except DivtraceError:
@@ -225,87 +253,113 @@ class Trace:
             raise DivtraceError(f"{self.path / META}: says {want} records, {RECORDS} holds {len(self.records)}")
 
     # validation -----------------------------------------------------------------------------------------
-    def _value(self, d, rec, loc: str) -> TensorValue:
-        if not isinstance(d, dict):
-            raise DivtraceError(f"{loc}: malformed tensor value (not an object)")
-        try:
-            v = TensorValue(**d)
-        except TypeError:
-            raise DivtraceError(f"{loc}: malformed tensor value (unknown or missing fields)") from None
-        full = self.meta["mode"] == "full"
-        ok = (_is_int(v.vid) and v.vid >= 0 and isinstance(v.dtype, str) and v.dtype in _DTYPES
-              and isinstance(v.shape, list) and all(_is_int(s) and s >= 0 for s in v.shape)
-              and isinstance(v.stride, list) and len(v.stride) == len(v.shape) and all(_is_int(s) for s in v.stride)
-              and isinstance(v.hash, str) and _HEX32.match(v.hash) is not None and isinstance(v.device, str)
-              and isinstance(v.stats, dict) and _is_int(v.nbytes)
-              and v.nbytes == v.numel * torch_dtype(v.dtype).itemsize)
-        if not ok:
-            raise DivtraceError(f"{loc}: malformed tensor value {d.get('vid')!r}"[:300])
-        if v.vid in self.values:
-            raise DivtraceError(f"{loc}: tensor value {v.vid} defined twice")
-        if not (v.producer is None or (isinstance(rec, OpRecord) and v.producer == rec.index)):
-            raise DivtraceError(f"{loc}: tensor value {v.vid} names producer {v.producer!r}, not this record"[:300])
-        if full:
-            if not (isinstance(v.blob, str) and isinstance(v.shard, str) and _SHARD_NAME.match(v.shard)):
-                raise DivtraceError(f"{loc}: tensor value {v.vid} has no valid stored bytes in a full-mode trace")
-        elif v.blob is not None or v.shard is not None:
-            raise DivtraceError(f"{loc}: tensor value {v.vid} points to stored bytes in a hash-mode trace")
-        return v
+    # Records are in the compact form of divtrace.records.record_compact. Every field is type-checked with
+    # plain `type(x) is ...` tests (this loop runs once per record, so it is kept lean); anything else a hand
+    # edit can produce (a missing key, a wrong container) raises here and becomes one "malformed record" line.
+    def _value(self, d, producer_ok, loc: str) -> TensorValue:
+        vid, short, shape, h = d["v"], d["d"], d["s"], d["h"]
+        full_name = "torch." + short if type(short) is str else None
+        dtype = _DTYPES.get(full_name)
+        if type(vid) is not int or vid < 0 or dtype is None or type(shape) is not list:
+            raise DivtraceError(f"{loc}: malformed tensor value {vid!r}"[:300])
+        n = 1
+        for x in shape:
+            if type(x) is not int or x < 0:
+                raise DivtraceError(f"{loc}: malformed tensor value {vid}: bad shape"[:300])
+            n *= x
+        if type(h) is not str or _HEX32.match(h) is None:
+            raise DivtraceError(f"{loc}: malformed tensor value {vid}: bad hash"[:300])
+        stride = d.get("t")
+        if stride is None:
+            stride = contiguous_stride(shape)
+        elif type(stride) is not list or len(stride) != len(shape) or any(type(x) is not int for x in stride):
+            raise DivtraceError(f"{loc}: malformed tensor value {vid}: bad stride"[:300])
+        producer = d.get("p")
+        if producer is not None and producer != producer_ok:
+            raise DivtraceError(f"{loc}: tensor value {vid} names producer {producer!r}, not this record"[:300])
+        device = d.get("dev", "cpu")
+        m = d.get("m")
+        if m is not None:
+            lo, hi, mean, nan, inf = m
+            absmax = max(abs(lo), abs(hi)) if type(lo) in (int, float) and type(hi) in (int, float) else "nan"
+            stats = {"min": lo, "max": hi, "mean": mean, "absmax": absmax, "nan": nan, "inf": inf}
+        else:
+            stats = d.get("M", {})
+        blob, shard = d.get("b"), d.get("f")
+        if type(device) is not str or type(stats) is not dict:
+            raise DivtraceError(f"{loc}: malformed tensor value {vid}"[:300])
+        if self._full:
+            if type(blob) is not str or type(shard) is not str or _SHARD_NAME.match(shard) is None:
+                raise DivtraceError(f"{loc}: tensor value {vid} has no valid stored bytes in a full-mode trace")
+        elif blob is not None or shard is not None:
+            raise DivtraceError(f"{loc}: tensor value {vid} points to stored bytes in a hash-mode trace")
+        return TensorValue(vid, full_name, shape, stride, h, device, stats, producer, blob, shard, n * dtype.itemsize)
 
-    def _pairs(self, pairs, loc: str, what: str) -> list[tuple[str, int]]:
-        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
-                                                  and _is_int(p[1]) for p in pairs):
+    @staticmethod
+    def _pairs(pairs, loc: str, what: str) -> list[tuple[str, int]]:
+        if type(pairs) is not list:
             raise DivtraceError(f"{loc}: malformed record: {what} must be [key, vid] pairs")
-        return [(k, v) for k, v in pairs]
+        out = []
+        for p in pairs:
+            if type(p) is not list or len(p) != 2 or type(p[0]) is not str or type(p[1]) is not int:
+                raise DivtraceError(f"{loc}: malformed record: {what} must be [key, vid] pairs")
+            out.append((p[0], p[1]))
+        return out
 
     def _add(self, d, loc: str) -> None:
-        if not isinstance(d, dict) or d.get("kind") not in ("enter", "exit", "op"):
-            raise DivtraceError(f"{loc}: not a divtrace record (missing or unknown 'kind')")
-        d = dict(d)
-        raw_values = d.pop("values", [])
-        cls = {"enter": ModuleEnter, "exit": ModuleExit, "op": OpRecord}[d["kind"]]
-        try:
-            rec = cls(**d)
-        except TypeError:
-            raise DivtraceError(f"{loc}: malformed {d['kind']} record (unknown or missing fields)") from None
-        if not (_is_int(rec.index) and _is_int(rec.call_id)):
-            raise DivtraceError(f"{loc}: malformed {d['kind']} record: index and call_id must be integers")
-        if rec.index != len(self.records):
-            raise DivtraceError(f"{loc}: record index {rec.index}, expected {len(self.records)}")
-        if not isinstance(raw_values, list):
+        if type(d) is not dict or d.get("k") not in ("e", "x", "o"):
+            raise DivtraceError(f"{loc}: not a divtrace record (missing or unknown 'k')")
+        kind, index, call_id = d["k"], d["i"], d["c"]
+        if type(index) is not int or type(call_id) is not int:
+            raise DivtraceError(f"{loc}: malformed record: index and call_id must be integers")
+        if index != len(self.records):
+            raise DivtraceError(f"{loc}: record index {index}, expected {len(self.records)}")
+        new = {}
+        raw_values = d.get("V", ())
+        if type(raw_values) not in (list, tuple):
             raise DivtraceError(f"{loc}: malformed record: values must be a list")
-        values = [self._value(v, rec, loc) for v in raw_values]
-        if len({v.vid for v in values}) != len(values):
-            raise DivtraceError(f"{loc}: a tensor value is defined twice")
-        new = {v.vid: v for v in values}
-        if isinstance(rec, ModuleEnter):
-            rec.inputs = self._pairs(rec.inputs, loc, "inputs")
-            used = [v for _, v in rec.inputs]
-            if not (isinstance(rec.module, str) and _is_int(rec.call) and rec.call >= 0
-                    and (rec.parent is None or _is_int(rec.parent))):
+        for vd in raw_values:
+            if type(vd) is not dict:
+                raise DivtraceError(f"{loc}: malformed tensor value (not an object)")
+            v = self._value(vd, index if kind == "o" else None, loc)
+            if v.vid in self.values or v.vid in new:
+                raise DivtraceError(f"{loc}: tensor value {v.vid} defined twice")
+            new[v.vid] = v
+        if kind == "e":
+            module, call, parent = d["m"], d["n"], d.get("p")
+            if type(module) is not str or type(call) is not int or call < 0 or not (parent is None or type(parent) is int):
                 raise DivtraceError(f"{loc}: malformed enter record")
-        elif isinstance(rec, ModuleExit):
-            rec.outputs = self._pairs(rec.outputs, loc, "outputs")
-            used = [v for _, v in rec.outputs]
-            if not _str_or_none(rec.error):
+            rec = ModuleEnter(index, call_id, module, call, parent, self._pairs(d["in"], loc, "inputs"))
+            used = [v for _, v in rec.inputs]
+        elif kind == "x":
+            err = d.get("err")
+            if not _str_or_none(err):
                 raise DivtraceError(f"{loc}: malformed exit record")
+            rec = ModuleExit(index, call_id, self._pairs(d["out"], loc, "outputs"), err)
+            used = [v for _, v in rec.outputs]
         else:
-            if not (isinstance(rec.op, str) and isinstance(rec.args, list) and isinstance(rec.kwargs, dict)
-                    and isinstance(rec.inputs, list) and isinstance(rec.outputs, list)
-                    and all(_is_int(x) for x in rec.inputs + rec.outputs)):
+            op, args, kwargs, out = d["op"], d["a"], d.get("kw", {}), d["o"]
+            if type(op) is not str or type(args) is not list or type(kwargs) is not dict:
                 raise DivtraceError(f"{loc}: malformed op record")
-            used = rec.inputs
-            for vid in rec.outputs:
+            inputs = d["in"] if "in" in d else vids_in([args, kwargs], [])
+            outputs = d["out"] if "out" in d else vids_in(out, [])
+            if type(inputs) is not list or type(outputs) is not list or any(type(x) is not int for x in inputs + outputs):
+                raise DivtraceError(f"{loc}: malformed op record")
+            rec = OpRecord(index, call_id, op, args, kwargs, inputs, outputs, out)
+            used = inputs
+            for vid in outputs:
                 v = new.get(vid)
-                if v is None or v.producer != rec.index:
+                if v is None or v.producer != index:
                     raise DivtraceError(f"{loc}: op output {vid} is not a value this op produced")
+        values = self.values
         for vid in used:
-            if vid not in self.values and vid not in new:
+            if vid not in values and vid not in new:
                 raise DivtraceError(f"{loc}: refers to tensor value {vid}, which no record defines")
-        if any(v.producer is not None and v.vid not in rec.outputs for v in values):
-            raise DivtraceError(f"{loc}: a value names this op as producer but is not among its outputs")
+        for v in new.values():
+            if v.producer is not None and v.vid not in rec.outputs:
+                raise DivtraceError(f"{loc}: a value names this op as producer but is not among its outputs")
         self._link(rec, loc)
-        self.values.update(new)
+        values.update(new)
         self.records.append(rec)
 
     def _link(self, rec, loc: str) -> None:

@@ -25,7 +25,7 @@ from safetensors.torch import save as st_save
 
 from divtrace.errors import DivtraceError
 from divtrace.fingerprint import HASH_SCHEME, fingerprint
-from divtrace.records import FORMAT_VERSION, TensorValue
+from divtrace.records import FORMAT_VERSION, TensorValue, record_compact
 from divtrace.trace.files import (CHECKSUMS, META, RECORDS, SHARD_GLOB, SHARD_PATTERN, atomic_write_bytes,
                                   atomic_write_json)
 
@@ -50,10 +50,8 @@ def _json_safe(x):
 
 def _record_line(rec, values: list[TensorValue]) -> str:
     # Records and values are flat dataclasses of JSON-ready fields (stats were made safe when taken), so
-    # their __dict__ serializes directly: dataclasses.asdict deep-copies and was a third of the overhead.
-    d = dict(rec.__dict__)
-    if values:
-        d["values"] = [v.__dict__ for v in values]
+    # record_compact reads their fields directly: dataclasses.asdict deep-copies and was a third of the cost.
+    d = record_compact(rec, values)
     try:
         return json.dumps(d, allow_nan=False, separators=(",", ":"))
     except ValueError:  # a non-finite float slipped into an op argument
