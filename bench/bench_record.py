@@ -4,7 +4,7 @@ Model (issue 2): HF LlamaForCausalLM from config, hidden 512, 8 layers, 8 heads,
 vocab 32000, sequence 256, batch 1, fp32, torch.set_num_threads(1). Baseline: PyTorch DebugMode with bitwise
 tensor hashes (torch.hash_tensor) on the same forward.
 
-    python bench/bench_record.py [--repeats 5] [--json out.json] [--small]
+    python bench/bench_record.py [--repeats 5] [--json out.json] [--small] [--no-bisect]
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--small", action="store_true", help="tiny model, for a smoke run")
+    ap.add_argument("--no-bisect", action="store_true", help="skip the 100k-record bisect benchmark")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model, ids = build(args.small)
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
     res["seconds"] = {"plain": t_plain, "debug_mode_hash": t_dbg, "hash_ops": t_hash_ops, "hash_modules": t_hash_mod,
                       "full_ops": t_full}
     res["ratio_vs_plain"] = {k: v / t_plain for k, v in res["seconds"].items()}
+    print(json.dumps(res["ratio_vs_plain"]), flush=True)
 
     # Bytes per record in hash mode.
     from divtrace.trace.reader import Trace
@@ -115,8 +117,8 @@ def main(argv=None) -> int:
                         "throughput_vs_safetensors": t_save / t_write}
 
     # Bisect scale: two synthetic 100k-record hash traces (a 4-deep module tree, 10 ops per call).
-    synth = bench_bisect(tmp, 100_000)
-    res["bisect_100k"] = synth
+    if not args.no_bisect:
+        res["bisect_100k"] = bench_bisect(tmp, 100_000)
     shutil.rmtree(tmp, ignore_errors=True)
     txt = json.dumps(res, indent=2)
     print(txt)
@@ -155,19 +157,20 @@ def bench_bisect(tmp: Path, n_records: int) -> dict:
             root(x)
     import subprocess
 
-    code = ("import resource,time,divtrace,sys;t=time.perf_counter();r=divtrace.bisect(sys.argv[1],sys.argv[2]);"
-            "print(time.perf_counter()-t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, r.verdict, "
-            "r.first.module if r.first else None, r.compared)")
-    base = ("import resource,divtrace.compare.bisect;print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    code = ("import json,resource,time,sys;import divtrace.compare.bisect as b;"
+            "m0=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;t=time.perf_counter();"
+            "r=b.bisect(sys.argv[1],sys.argv[2]);"
+            "print(json.dumps([time.perf_counter()-t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, m0, "
+            "r.verdict, r.first.module if r.first else None, r.compared]))")
     p = subprocess.run([sys.executable, "-c", code, str(tmp / "synth-a"), str(tmp / "synth-b")], capture_output=True,
                        text=True, check=True)
-    q = subprocess.run([sys.executable, "-c", base], capture_output=True, text=True, check=True)
-    secs, rss, verdict, module, compared = p.stdout.split()
+    secs, rss, rss0, verdict, module, compared = json.loads(p.stdout)
     from divtrace.trace.reader import Trace
 
     n = len(Trace(tmp / "synth-a").records)
     return {"records_per_trace": n, "seconds": float(secs), "max_rss_mb": int(rss) / 1024,
-            "rss_after_import_mb": int(q.stdout) / 1024, "verdict": verdict, "first_module": module,
+            "rss_after_import_mb": int(rss0) / 1024, "bisect_rss_growth_mb": (int(rss) - int(rss0)) / 1024,
+            "verdict": verdict, "first_module": module,
             "bytes_per_record": (tmp / "synth-a" / "records.jsonl").stat().st_size / n}
 
 
