@@ -1,6 +1,7 @@
 """File names of a trace directory and atomic write helpers (a crash never leaves a half-written file)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -32,3 +33,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_json(path: Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True, allow_nan=False) + "\n").encode())
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 of a file, streamed (shards can be large)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

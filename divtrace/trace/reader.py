@@ -19,7 +19,7 @@ import torch
 from divtrace.errors import DivtraceError
 from divtrace.fingerprint import HASH_SCHEME, hasher
 from divtrace.records import FORMAT_VERSION, contiguous_stride, vids_in, ModuleCall, ModuleEnter, ModuleExit, OpRecord, TensorValue
-from divtrace.trace.files import CHECKSUMS, META, RECORDS
+from divtrace.trace.files import CHECKSUMS, META, RECORDS, sha256_file
 
 _DTYPES = {}
 for _name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
@@ -475,7 +475,7 @@ class Trace:
                 problems += self._check_tensors(by_shard[name])
                 continue
             try:
-                got = _sha256_file(p)
+                got = sha256_file(p)
             except OSError as e:
                 problems.append(f"{p}: cannot read: {e.strerror or e}")
                 continue
@@ -514,14 +514,6 @@ class Trace:
             more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
             raise DivtraceError(problems[0] + more)
         self._shards_verified = True
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def open_trace(path) -> Trace:

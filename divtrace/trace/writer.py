@@ -27,7 +27,7 @@ from divtrace.errors import DivtraceError
 from divtrace.fingerprint import HASH_SCHEME, fingerprint
 from divtrace.records import FORMAT_VERSION, TensorValue, record_compact
 from divtrace.trace.files import (CHECKSUMS, META, RECORDS, SHARD_GLOB, SHARD_PATTERN, atomic_write_bytes,
-                                  atomic_write_json)
+                                  atomic_write_json, sha256_file)
 
 # dtypes safetensors stores natively; any other (complex128, complex32, float8_e8m0fnu, ...) is stored as its
 # raw bytes (uint8) and viewed back by the reader.
@@ -56,14 +56,6 @@ def _record_line(rec, values: list[TensorValue]) -> str:
         return json.dumps(d, allow_nan=False, separators=(",", ":"))
     except ValueError:  # a non-finite float slipped into an op argument
         return json.dumps(_json_safe(d), allow_nan=False, separators=(",", ":"))
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def prepare_trace_dir(path: Path, overwrite: bool) -> None:
