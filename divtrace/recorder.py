@@ -23,7 +23,9 @@ Defined behaviour at the edges:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import json
 import math
 import re
 import signal
@@ -46,6 +48,11 @@ _ACTIVE_MODELS: set[int] = set()
 _ACTIVE: list = []  # recorders inside their `with` block, any thread
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _MAX_DEPTH = 8
+# Strided views whose fingerprint hash mode derives from their input's instead of copying them (_derived_view).
+_DERIVABLE_VIEWS = {f"aten.{n}" for n in ("t.default", "transpose.int", "permute.default", "expand.default",
+                                          "slice.Tensor", "select.int", "diagonal.default", "unfold.default",
+                                          "as_strided.default", "unsqueeze.default", "squeeze.dim", "view.default",
+                                          "numpy_T.default", "mT.default", "alias.default")}
 _SEQ = itertools.count()
 
 
@@ -146,6 +153,7 @@ class Recorder:
         self._next_call_id = 0
         self._index = 0
         self._tensors = WeakTensorKeyDictionary()  # tensor -> (vid, version, value)
+        self._derived: set[int] = set()  # vids whose fingerprint is derived from a view's input (hash mode)
         self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (inference tensors)
         self._mode_obj = None
         self._old_signals: dict = {}
@@ -243,10 +251,12 @@ class Recorder:
             except Exception:
                 return None
 
-    def _vid_of(self, t: torch.Tensor, new_values: list) -> int:
+    def _vid_of(self, t: torch.Tensor, new_values: list, boundary: bool = False) -> int:
         """The value id of `t` as it is now; a tensor never seen (or changed behind our back) is new."""
         entry = self._tensors.get(t)
         version = self._version(t)
+        if boundary and entry is not None and entry[1] == version and self._derived:
+            entry = self._real_hash(t, entry)
         if entry is not None and entry[1] == version:
             if not (self._mode_obj is None and isinstance(version, tuple)):
                 return entry[0]
@@ -258,7 +268,8 @@ class Recorder:
         self._tensors[t] = (v.vid, version, v)
         return v.vid
 
-    def _produced(self, t: torch.Tensor, producer: int, inputs: list, new_values: list) -> int:
+    def _produced(self, t: torch.Tensor, producer: int, inputs: list, new_values: list, op: str = "",
+                  enc_args=None) -> int:
         v = None
         # An alias that reads the same bytes in the same logical order as an input (view, reshape, detach,
         # alias) has the input's fingerprint: reuse it instead of hashing again.
@@ -272,11 +283,49 @@ class Recorder:
                     v = dataclasses.replace(e[2], vid=self.writer.take_vid(), producer=producer,
                                             shape=list(t.shape), stride=list(t.stride()))
                 break
+        if v is None and self.mode == "hash" and op in _DERIVABLE_VIEWS and not t.is_contiguous():
+            v = self._derived_view(t, producer, inputs, op, enc_args)
         if v is None:
             v = self.writer.new_value(t, producer=producer)
         new_values.append(v)
         self._tensors[t] = (v.vid, self._version(t), v)
         return v.vid
+
+    def _derived_view(self, t, producer, inputs, op, enc_args):
+        """Hash mode: a strided view (w.t(), a transpose, an expand) of a known value gets a fingerprint derived
+        from the op, its arguments and the input's fingerprint, instead of a copy and a hash of its bytes (the
+        transposed weights alone were a quarter of the recording time). Equal derived fingerprints imply equal
+        bytes (same op on the same bytes), so no false "identical" can come of it; a value that reaches a module
+        boundary is hashed for real there (`_real_hash`), where the other side may hold the same bytes made
+        another way."""
+        src = next((x for x in inputs if x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                    and x.dtype == t.dtype and x.device == t.device), None)
+        e = self._tensors.get(src) if src is not None else None
+        if e is None or e[1] != self._version(src):
+            return None
+        # vids are per trace: mask them so both sides derive the same fingerprint from the same op and bytes
+        consts = json.dumps(enc_args, default=str, separators=(",", ":"))
+        consts = re.sub(r'\{"\$v":\d+\}', "T", consts)
+        key = json.dumps([op, e[2].hash, e[2].dtype, list(t.shape), consts], separators=(",", ":"))
+        h = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+        stats = e[2].stats if op.split(".")[1] in ("t", "transpose", "permute", "numpy_T", "mT") else {}
+        v = dataclasses.replace(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
+                                stride=list(t.stride()), hash=h, stats=stats)
+        self._derived.add(v.vid)
+        return v
+
+    def _real_hash(self, t, entry):
+        """Give a derived-view value its real fingerprint before a module boundary compares it, in place when
+        its record is still buffered; else a fresh value (the bytes are the same, only its producer is lost)."""
+        v = entry[2]
+        if v.vid not in self._derived:
+            return entry
+        self._derived.discard(v.vid)
+        if self.writer.is_buffered(v.vid):
+            fresh = self.writer.new_value(t, producer=v.producer)
+            v.hash, v.stats = fresh.hash, fresh.stats
+            return entry
+        return None
 
     def _plain(self, t: torch.Tensor, where: str):
         """The tensor to fingerprint for `t`, or None (skipped, with a warning) when it has no plain bytes."""
@@ -356,7 +405,7 @@ class Recorder:
         for key, t in flatten_tensors(args, "args", []) + flatten_tensors(kwargs, "kwargs", []):
             t = self._plain(t, path or "<root>")
             if t is not None:
-                pairs.append((key, self._vid_of(t, values)))
+                pairs.append((key, self._vid_of(t, values, boundary=True)))
         rec = ModuleEnter(self._take_index(), call_id, path, call, self._recorded_parent(), pairs)
         self._push(call_id, module, False)
         self.writer.append(rec, values)
@@ -382,7 +431,7 @@ class Recorder:
         for key, t in flatten_tensors(output, "out", []):
             t = self._plain(t, "output")
             if t is not None:
-                pairs.append((key, self._vid_of(t, values)))
+                pairs.append((key, self._vid_of(t, values, boundary=True)))
         self.writer.append(ModuleExit(self._take_index(), frame.call_id, pairs), values)
 
     def _pop(self) -> _Frame:
@@ -434,11 +483,11 @@ class Recorder:
             if not outs or any(p is None for p in plain_out):
                 return out
             index = self._take_index()
-            out_vids = [self._produced(p, index, plain_in, values) for p in plain_out]
+            name = _op_name(func)
+            out_vids = [self._produced(p, index, plain_in, values, name, enc_args) for p in plain_out]
             vid_by_id = {id(t): v for t, v in zip(outs, out_vids)}
             enc_out = self._encode_out(out, vid_by_id)
-            rec = OpRecord(index, self._stack[-1].call_id, _op_name(func), enc_args, enc_kwargs, vids, out_vids,
-                           enc_out)
+            rec = OpRecord(index, self._stack[-1].call_id, name, enc_args, enc_kwargs, vids, out_vids, enc_out)
             self.writer.append(rec, values)
         return out
 

@@ -254,3 +254,33 @@ def test_long_op_chain_does_not_recurse(tmp_path):
     record_model(_Chain(1e-3), (x,), tmp_path / "b", mode="hash")
     r = divtrace.bisect(tmp_path / "a", tmp_path / "b")
     assert r.verdict == "diverged" and r.first.module == "" and r.first.op == "aten.mul.Tensor"
+
+
+class _ViewOut(nn.Module):
+    """Returns the same bytes either as a strided view (w.t() of a parameter) or as a contiguous copy."""
+
+    def __init__(self, copy: bool):
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(12.0).reshape(3, 4))
+        self.copy = copy
+
+    def forward(self, x):
+        wt = self.w.t()
+        return (wt.contiguous() if self.copy else wt), x @ wt
+
+
+@pytest.mark.parametrize("mode", ["hash", "full"])
+def test_view_outputs_compare_by_bytes_at_module_boundaries(tmp_path, mode):
+    """Hash mode derives fingerprints of strided views from their input; a module output is still compared by
+    its real bytes, so a view and a contiguous copy of the same values are identical, and a changed weight
+    is not."""
+    x = torch.randn(2, 4)
+    record_model(_ViewOut(False), (x,), tmp_path / "view", mode=mode)
+    record_model(_ViewOut(True), (x,), tmp_path / "copy", mode=mode)
+    assert divtrace.bisect(tmp_path / "view", tmp_path / "copy").verdict == "identical"
+    other = _ViewOut(False)
+    with torch.no_grad():
+        other.w[1, 2] += 1.0
+    record_model(other, (x,), tmp_path / "other", mode=mode)
+    r = divtrace.bisect(tmp_path / "view", tmp_path / "other")
+    assert r.verdict == "diverged" and r.first.module == "" and r.first.tensor == "out.0"

@@ -119,6 +119,10 @@ class TraceWriter:
             raise DivtraceError(f"{self.path}: cannot start the trace: {e.strerror or e}") from None
 
     # values ---------------------------------------------------------------------------------------------
+    def is_buffered(self, vid: int) -> bool:
+        """Whether the record defining `vid` is still in memory (not yet written), so it may be amended."""
+        return vid >= getattr(self, "_written_vids_below", 0)
+
     def take_vid(self) -> int:
         vid = self._next_vid
         self._next_vid += 1
@@ -213,6 +217,7 @@ class TraceWriter:
         self._records_size += len(data)
         self.bytes_written += len(data)
         self.n_written += len(self._pending_records)
+        self._written_vids_below = self._next_vid
         self._pending_records = []
 
     def _append_sums(self, sums: list[dict]) -> None:
