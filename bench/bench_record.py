@@ -157,10 +157,12 @@ def bench_bisect(tmp: Path, n_records: int) -> dict:
             root(x)
     import subprocess
 
-    code = ("import json,resource,time,sys;import divtrace.compare.bisect as b;"
-            "m0=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;t=time.perf_counter();"
+    # Peak memory from /proc (VmHWM, in kB): ru_maxrss survives exec and would report this process's peak.
+    code = ("import json,re,time,sys;import divtrace.compare.bisect as b;"
+            "hwm=lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1));"
+            "m0=hwm();t=time.perf_counter();"
             "r=b.bisect(sys.argv[1],sys.argv[2]);"
-            "print(json.dumps([time.perf_counter()-t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, m0, "
+            "print(json.dumps([time.perf_counter()-t, hwm(), m0, "
             "r.verdict, r.first.module if r.first else None, r.compared]))")
     p = subprocess.run([sys.executable, "-c", code, str(tmp / "synth-a"), str(tmp / "synth-b")], capture_output=True,
                        text=True, check=True)

@@ -98,3 +98,11 @@ def test_help_has_examples():
     for cmd in ("record", "show", "bisect"):
         p = run_cli(cmd, "--help")
         assert p.returncode == 0 and "Example" in p.stdout and f"divtrace {cmd}" in p.stdout
+
+
+def test_usage_errors_are_one_line_exit_2():
+    """Regression: typer 0.29 bundles its own click, whose usage errors used to surface as 'internal error'."""
+    assert "Missing argument" in _one_line_error(run_cli("bisect"))
+    assert "No such option" in _one_line_error(run_cli("bisect", "--bogus", "a", "b"))
+    p = run_cli()
+    assert p.returncode == 0 and "Usage" in p.stdout and "Traceback" not in p.stderr
