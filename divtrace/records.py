@@ -11,6 +11,17 @@ from dataclasses import dataclass, field
 FORMAT_VERSION = 1
 
 
+def json_safe(x):
+    """`x` with non-finite floats as their repr ("nan", "inf") and tuples as lists: strict JSON can hold it."""
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return repr(x)
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
 @dataclass(slots=True)
 class TensorValue:
     """One tensor value as it was when produced: layout, bit-exact fingerprint, stats, where its bytes are."""

@@ -2,27 +2,18 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 from rich.console import Console
 from rich.table import Table
+
+from divtrace.records import json_safe
 
 
 def _json_default(x):
     if isinstance(x, tuple):
         return list(x)
     return str(x)
-
-
-def _clean(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return repr(x)
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
 
 
 class Output:
@@ -32,7 +23,7 @@ class Output:
         self.err = Console(stderr=True, highlight=False)
 
     def json(self, obj) -> None:
-        sys.stdout.write(json.dumps(_clean(obj), indent=2, default=_json_default, allow_nan=False) + "\n")
+        sys.stdout.write(json.dumps(json_safe(obj), indent=2, default=_json_default, allow_nan=False) + "\n")
 
     def print(self, *args, **kw) -> None:
         if not self.json_mode:

@@ -25,7 +25,7 @@ from safetensors.torch import save as st_save
 
 from divtrace.errors import DivtraceError
 from divtrace.fingerprint import HASH_SCHEME, fingerprint
-from divtrace.records import FORMAT_VERSION, TensorValue, record_compact
+from divtrace.records import FORMAT_VERSION, TensorValue, json_safe, record_compact
 from divtrace.trace.files import (CHECKSUMS, META, RECORDS, SHARD_GLOB, SHARD_PATTERN, atomic_write_bytes,
                                   atomic_write_json, sha256_file)
 
@@ -38,16 +38,6 @@ for _n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
         _ST_DTYPES.add(getattr(torch, _n))
 
 
-def _json_safe(x):
-    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
-        return repr(x)
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
-
-
 def _record_line(rec, values: list[TensorValue]) -> str:
     # Records and values are flat dataclasses of JSON-ready fields (stats were made safe when taken), so
     # record_compact reads their fields directly: dataclasses.asdict deep-copies and was a third of the cost.
@@ -55,7 +45,7 @@ def _record_line(rec, values: list[TensorValue]) -> str:
     try:
         return json.dumps(d, allow_nan=False, separators=(",", ":"))
     except ValueError:  # a non-finite float slipped into an op argument
-        return json.dumps(_json_safe(d), allow_nan=False, separators=(",", ":"))
+        return json.dumps(json_safe(d), allow_nan=False, separators=(",", ":"))
 
 
 def prepare_trace_dir(path: Path, overwrite: bool) -> None:
@@ -112,7 +102,7 @@ class TraceWriter:
         self.failed: str | None = None  # set when a write failed; nothing more is written after that
         self._closed = False
         try:
-            atomic_write_json(self.path / META, _json_safe(self.meta))
+            atomic_write_json(self.path / META, json_safe(self.meta))
             self._records_fd = os.open(self.path / RECORDS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             self._sums_fd = os.open(self.path / CHECKSUMS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as e:
@@ -133,7 +123,7 @@ class TraceWriter:
         t = t.detach()
         h, stats, flat = fingerprint(t)
         v = TensorValue(vid=self.take_vid(), dtype=str(t.dtype), shape=list(t.shape), stride=list(t.stride()),
-                        hash=h, device=str(t.device), stats=_json_safe(stats), producer=producer,
+                        hash=h, device=str(t.device), stats=json_safe(stats), producer=producer,
                         nbytes=t.numel() * t.element_size())
         if self.mode == "full":
             # Content-addressed: views, reshapes and copies of the same bytes share one blob.
@@ -264,7 +254,7 @@ class TraceWriter:
                                     "shards": dict(self._shard_sums)},
                          **extra)
         try:
-            atomic_write_json(self.path / META, _json_safe(self.meta))
+            atomic_write_json(self.path / META, json_safe(self.meta))
         except OSError as e:
             # meta.json keeps status "running": still read as incomplete, and the records stay verifiable
             # from checksums.jsonl.
