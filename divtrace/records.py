@@ -117,19 +117,6 @@ class ModuleCall:
 _STAT_KEYS = ("min", "max", "mean", "nan", "inf")
 
 
-def vids_in(x, out: list) -> list:
-    if isinstance(x, dict):
-        if len(x) == 1 and "$v" in x:
-            out.append(x["$v"])
-        else:
-            for y in x.values():
-                vids_in(y, out)
-    elif isinstance(x, list):
-        for y in x:
-            vids_in(y, out)
-    return out
-
-
 def contiguous_stride(shape) -> list[int]:
     stride, acc = [], 1
     for s in reversed(shape):
@@ -177,7 +164,6 @@ def record_compact(rec, values: list[TensorValue]) -> dict:
         d = {"k": "o", "i": rec.index, "c": rec.call_id, "op": rec.op, "a": rec.args, "o": rec.out}
         if rec.kwargs:
             d["kw"] = rec.kwargs
-        # Explicit although derivable: reading them is much cheaper than walking args for {"$v"} references.
         d["in"] = rec.inputs
         d["out"] = rec.outputs
     if values:

@@ -394,9 +394,8 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
     for ca, cb in sorted(diverging_calls, key=lambda p: p[0].exit_index or 0):
         if len(nxt) >= n_next:
             break
-        if first is not None and (ca.exit_index or 0) <= first.index and not (ca.module == first.module and ca.call == first.call):
-            continue
-        if first is not None and ca.module == first.module and ca.call == first.call:
+        if first is not None and ((ca.module, ca.call) == (first.module, first.call)
+                                  or (ca.exit_index or 0) <= first.index):
             continue
         m = cmp.first_mismatch(ca.outputs, cb.outputs)
         cause = "propagated" if cmp.first_mismatch(ca.inputs, cb.inputs) is not None else "origin"

@@ -18,7 +18,7 @@ import torch
 
 from divtrace.errors import DivtraceError
 from divtrace.fingerprint import HASH_SCHEME, hasher
-from divtrace.records import FORMAT_VERSION, contiguous_stride, vids_in, ModuleCall, ModuleEnter, ModuleExit, OpRecord, TensorValue
+from divtrace.records import FORMAT_VERSION, contiguous_stride, ModuleCall, ModuleEnter, ModuleExit, OpRecord, TensorValue
 from divtrace.trace.files import CHECKSUMS, META, RECORDS, sha256_file
 
 _DTYPES = {}
@@ -341,8 +341,7 @@ class Trace:
             op, args, kwargs, out = d["op"], d["a"], d.get("kw", {}), d["o"]
             if type(op) is not str or type(args) is not list or type(kwargs) is not dict:
                 raise DivtraceError(f"{loc}: malformed op record")
-            inputs = d["in"] if "in" in d else vids_in([args, kwargs], [])
-            outputs = d["out"] if "out" in d else vids_in(out, [])
+            inputs, outputs = d["in"], d["out"]
             if type(inputs) is not list or type(outputs) is not list or any(type(x) is not int for x in inputs + outputs):
                 raise DivtraceError(f"{loc}: malformed op record")
             rec = OpRecord(index, call_id, op, args, kwargs, inputs, outputs, out)
