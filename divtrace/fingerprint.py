@@ -15,13 +15,24 @@ Why this shape:
   whatever was hashed before it in the process;
 - the blocks of 1024 lanes let the CPU use a fused int64 matrix-vector product over a cache-sized scratch
   buffer, and accelerators the same math as multiply + sum with a bounded temporary.
+
+Two implementations compute the same numbers. On CPU tensors the C kernel `divtrace._native` (built at install
+when a C compiler is there) reads any strided layout in place and takes the summary statistics in the same
+pass; elsewhere (accelerators, or no compiler at install) the torch ops below do it. `IMPLEMENTATION` says
+which one this process uses on the CPU, and traces record it.
 """
 from __future__ import annotations
 
 import math
+import sys
 import threading
 
 import torch
+
+try:
+    from divtrace import _native
+except ImportError:  # built without a C compiler: the torch path computes the same fingerprints
+    _native = None
 
 HASH_SCHEME = "lane32-wsum128"  # stored in meta.json: a reader verifies bytes only with the scheme that wrote them
 _BLOCK = 1024
@@ -58,6 +69,14 @@ class _Weights:
             self._outer[key] = have
         return have[:, :blocks]
 
+    def outer_all(self, blocks: int) -> torch.Tensor:
+        """The whole CPU outer-weight table, at least `blocks` wide (no slice: the native kernel takes a pointer)."""
+        have = self._outer.get("cpu")
+        if have is None or have.shape[1] < blocks:
+            self.outer(blocks, "cpu")
+            have = self._outer["cpu"]
+        return have
+
     def scratch(self) -> torch.Tensor:
         buf = getattr(self._local, "scratch", None)
         if buf is None:
@@ -66,6 +85,13 @@ class _Weights:
 
 
 _WEIGHTS = _Weights()
+ZERO_HASH = "0" * 32  # the fingerprint of no bytes
+if _native is not None and sys.byteorder != "little":
+    _native = None  # lanes are little-endian integers; the torch path reads them the same on any machine
+if _native is not None:
+    _native.set_weights(_WEIGHTS.inner("cpu").contiguous().data_ptr())  # the kernel keeps its own copy
+IMPLEMENTATION = "native" if _native is not None else "torch"
+_STATS_KIND = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4}  # as in _native.c
 _LANE_DTYPES = ((4, torch.int32), (2, torch.int16), (1, torch.int8))
 
 
@@ -91,6 +117,8 @@ def lanes(t: torch.Tensor) -> torch.Tensor:
         if nbytes % width == 0:
             if flat.element_size() == width:
                 return flat.view(dt)
+            if raw.storage_offset() % width:  # a slice starting mid-lane (bf16 x[1:]): views refuse it
+                raw = raw.clone()
             return raw.view(dt)
     raise AssertionError("unreachable: width 1 always divides")
 
@@ -126,10 +154,16 @@ def block_sums(v: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
 
 
 def tensor_hash(t: torch.Tensor, fused: bool | None = None) -> str:
-    """128-bit hex fingerprint of the raw bytes; dtype and shape are not included (TensorValue holds them)."""
+    """128-bit hex fingerprint of the raw bytes; dtype and shape are not included (TensorValue holds them).
+    `fused` forces the torch path (its CPU matrix-vector form or, False, the accelerator form); by default a
+    CPU tensor goes through the native kernel when it is built."""
+    if fused is None:
+        got = _native_pass(t, stats=False)
+        if got is not None:
+            return got[0]
     v = lanes(t)
     if v.numel() == 0:
-        return "0" * 32
+        return ZERO_HASH
     sums = block_sums(v, fused)
     h = (sums * _WEIGHTS.outer(sums.shape[1], v.device)).sum(1).tolist()
     return f"{h[0] & 0xFFFFFFFFFFFFFFFF:016x}{h[1] & 0xFFFFFFFFFFFFFFFF:016x}"
@@ -139,7 +173,7 @@ def reference_hash(t: torch.Tensor) -> str:
     """The same fingerprint in plain Python integers (slow; tests check the torch kernels against it)."""
     v = lanes(t).tolist()
     if not v:
-        return "0" * 32
+        return ZERO_HASH
     w = _WEIGHTS.inner("cpu").tolist()
     u = _WEIGHTS.outer(-(-len(v) // _BLOCK), "cpu").tolist()
     rows = [sum(x * w[r][i % _BLOCK] * u[r][i // _BLOCK] for i, x in enumerate(v)) % 2**64 for r in (0, 1)]
@@ -151,13 +185,62 @@ def hasher(scheme):
     return tensor_hash if scheme == HASH_SCHEME else None
 
 
-def fingerprint(t: torch.Tensor) -> tuple[str, dict, torch.Tensor]:
-    """(hash, stats, flat) from one contiguous read. `flat` is the logical bytes as a 1-D tensor of t's dtype;
-    it aliases `t` when `t` was already contiguous (clone it before keeping it)."""
+def _native_pass(t: torch.Tensor, stats: bool):
+    """(hash, stats or None) from the native kernel in one read of `t` in place, or None when it cannot read
+    `t` (not built, not a plain strided CPU tensor, a lazy conjugate/negation bit)."""
+    if (_native is None or t.device.type != "cpu" or t.layout != torch.strided or t.is_conj() or t.is_neg()
+            or t.is_quantized):
+        return None
+    n = t.numel()
+    if n == 0:
+        return ZERO_HASH, ({} if stats else None)
+    es = t.element_size()
+    nbytes = n * es
+    lane = 4 if nbytes % 4 == 0 else 2 if nbytes % 2 == 0 else 1
+    u = _WEIGHTS.outer_all(-(-nbytes // lane // _BLOCK))
+    kind = _STATS_KIND.get(t.dtype, 0) if stats else 0
+    h0, h1, st = _native.fingerprint(t.data_ptr(), es, t.shape, t.stride(), u.data_ptr(), u.stride(0),
+                                     u.shape[1], kind)
+    h = f"{h0:016x}{h1:016x}"
+    if not stats:
+        return h, None
+    if st is None:
+        return h, json_stats(summary_stats(t)) if t.is_floating_point() else {}
+    lo, hi, total, finite, nan, inf = st
+    if not finite:  # all NaN/Inf
+        return h, {"min": "nan", "max": "nan", "mean": "nan", "absmax": "nan", "nan": nan, "inf": inf}
+    mean = total / finite
+    if not math.isfinite(mean):  # the sum of finite values overflowed a double: fp64 near its range
+        mean = repr(mean)
+    return h, {"min": lo, "max": hi, "mean": mean, "absmax": max(-lo, hi), "nan": nan, "inf": inf}
+
+
+def json_stats(stats: dict) -> dict:
+    """Non-finite floats as their repr ("nan", "inf"), as strict JSON needs (and records.json_safe does)."""
+    return {k: repr(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in stats.items()}
+
+
+def fingerprint(t: torch.Tensor) -> tuple[str, dict]:
+    """(hash, stats) of `t`'s logical bytes: one pass in place with the native kernel, else one contiguous
+    read with torch ops. The stats are ready for JSON (non-finite values as strings)."""
+    got = _native_pass(t, stats=True)
+    if got is not None:
+        return got
     flat = flat_bytes(t)
     if flat.numel() == 0:
-        return "0" * 32, {}, flat
-    return tensor_hash(flat), summary_stats(flat), flat
+        return ZERO_HASH, {}
+    return tensor_hash(flat, fused=flat.device.type == "cpu"), json_stats(summary_stats(flat))
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`str(dtype)`, memoized (it runs for every recorded value)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
 
 
 def summary_stats(t: torch.Tensor) -> dict:

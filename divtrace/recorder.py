@@ -34,12 +34,13 @@ import threading
 import warnings
 
 import torch
+import weakref
+
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from divtrace.errors import DivtraceError
-from divtrace.fingerprint import tensor_hash
-from divtrace.records import ModuleEnter, ModuleExit, OpRecord
+from divtrace.fingerprint import fingerprint
+from divtrace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue
 from divtrace.settings import numerics_settings, run_environment
 from divtrace.trace.writer import TraceWriter
 
@@ -48,10 +49,12 @@ _ACTIVE_MODELS: set[int] = set()
 _ACTIVE: list = []  # recorders inside their `with` block, any thread
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _MAX_DEPTH = 8
-# Strided views whose fingerprint hash mode derives from their input's instead of copying them (_derived_view).
+# Strided views whose fingerprint hash mode derives from their input's instead of copying them (_derived_view):
+# each one's values are a function of its input's logical values and its arguments. Not as_strided: it reads
+# the storage, so two inputs with equal values in different layouts give different results.
 _DERIVABLE_VIEWS = {f"aten.{n}" for n in ("t.default", "transpose.int", "permute.default", "expand.default",
                                           "slice.Tensor", "select.int", "diagonal.default", "unfold.default",
-                                          "as_strided.default", "unsqueeze.default", "squeeze.dim", "view.default",
+                                          "unsqueeze.default", "squeeze.dim", "view.default",
                                           "numpy_T.default", "mT.default", "alias.default")}
 _SEQ = itertools.count()
 
@@ -104,6 +107,59 @@ def flatten_tensors(obj, prefix: str, out: list, depth: int = 0) -> list:
     return out
 
 
+def op_tensors(obj, out: list, depth: int = 0) -> list:
+    """The tensors in an op's arguments or results, in order: flatten_tensors without the keys (an op runs
+    this twice, so it is kept lean)."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)) and depth < _MAX_DEPTH:
+        for x in obj:
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif isinstance(x, (list, tuple, dict)):
+                op_tensors(x, out, depth + 1)
+    elif isinstance(obj, dict) and depth < _MAX_DEPTH:
+        op_tensors(list(obj.values()), out, depth + 1)
+    return out
+
+
+def copy_value(v: TensorValue, **changes) -> TensorValue:
+    """`dataclasses.replace` for the hot path (it costs several times a plain constructor call)."""
+    return TensorValue(changes.get("vid", v.vid), v.dtype, changes.get("shape", v.shape),
+                       changes.get("stride", v.stride), changes.get("hash", v.hash), v.device,
+                       changes.get("stats", v.stats), changes.get("producer", v.producer), v.blob, v.shard, v.nbytes)
+
+
+class TensorTable:
+    """tensor -> entry by identity, without keeping tensors alive. Does what WeakTensorKeyDictionary does at a
+    fifteenth of the cost per lookup (it builds a weak reference object for every lookup)."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self) -> None:
+        self._d: dict[int, tuple] = {}
+
+    def get(self, t):
+        e = self._d.get(id(t))
+        if e is not None and e[0]() is t:
+            return e[1]
+        return None
+
+    def __setitem__(self, t, entry) -> None:
+        key, d = id(t), self._d
+        old = d.get(key)
+        if old is not None and old[0]() is t:
+            d[key] = (old[0], entry)
+            return
+
+        def gone(ref, key=key, d=d):  # the tensor died: its id may be reused by another
+            cur = d.get(key)
+            if cur is not None and cur[0] is ref:
+                del d[key]
+
+        d[key] = (weakref.ref(t, gone), entry)
+
+
 _MUTATED: dict = {}  # op overload -> [(position, name)] of the arguments it writes to
 
 
@@ -152,7 +208,7 @@ class Recorder:
         self._calls: dict[str, int] = {}
         self._next_call_id = 0
         self._index = 0
-        self._tensors = WeakTensorKeyDictionary()  # tensor -> (vid, version, value)
+        self._tensors = TensorTable()  # tensor -> (vid, version, value)
         self._derived: set[int] = set()  # vids whose fingerprint is derived from a view's input (hash mode)
         self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (inference tensors)
         self._mode_obj = None
@@ -257,19 +313,34 @@ class Recorder:
         version = self._version(t)
         if boundary and entry is not None and entry[1] == version and self._derived:
             entry = self._real_hash(t, entry)
-        if entry is not None and entry[1] == version:
-            if not (self._mode_obj is None and isinstance(version, tuple)):
+        fp = None
+        if entry is not None:
+            if entry[1] == version and not (self._mode_obj is None and isinstance(version, tuple)):
                 return entry[0]
-            # ops=False and an inference tensor: in-place writes are invisible, so compare the bytes.
-            if tensor_hash(t) == entry[2].hash:
-                return entry[0]
-        v = self.writer.new_value(t, producer=None)
+            # The version moved (an in-place op: torch bumps the counter only after the op has returned
+            # through the dispatch mode, so its output is first read here), or it cannot be known (ops=False
+            # and an inference tensor): the bytes decide. Unchanged bytes keep their value and its producer.
+            v = entry[2]
+            if v.vid not in self._derived:
+                fp = fingerprint(t)
+                if (fp[0] == v.hash and str(t.dtype) == v.dtype and list(t.shape) == v.shape
+                        and list(t.stride()) == v.stride):
+                    self._tensors[t] = (entry[0], version, v)
+                    return entry[0]
+        v = self.writer.new_value(t, producer=None, fp=fp)
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
         return v.vid
 
     def _produced(self, t: torch.Tensor, producer: int, inputs: list, new_values: list, op: str = "",
-                  enc_args=None) -> int:
+                  enc_args=None, is_view: bool = False) -> int:
+        # A view's version counter is tied to its base's only after the op has returned through the dispatch
+        # mode: here it still reads 0. What the view will read from then on is its base's version now.
+        version = self._version(t)
+        if is_view:
+            base = self._alias_source(t, inputs)
+            if base is not None:
+                version = self._version(base)
         v = None
         # An alias that reads the same bytes in the same logical order as an input (view, reshape, detach,
         # alias) has the input's fingerprint: reuse it instead of hashing again.
@@ -280,16 +351,31 @@ class Recorder:
             if (t.is_contiguous() and src.is_contiguous()) or (src.shape == t.shape and src.stride() == t.stride()):
                 e = self._tensors.get(src)
                 if e is not None and e[1] == self._version(src):
-                    v = dataclasses.replace(e[2], vid=self.writer.take_vid(), producer=producer,
-                                            shape=list(t.shape), stride=list(t.stride()))
+                    v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
+                                   stride=list(t.stride()))
                 break
         if v is None and self.mode == "hash" and op in _DERIVABLE_VIEWS and not t.is_contiguous():
             v = self._derived_view(t, producer, inputs, op, enc_args)
         if v is None:
             v = self.writer.new_value(t, producer=producer)
         new_values.append(v)
-        self._tensors[t] = (v.vid, self._version(t), v)
+        self._tensors[t] = (v.vid, version, v)
         return v.vid
+
+    @staticmethod
+    def _alias_source(t, inputs):
+        """The input whose storage `t` views (same storage, dtype and device), or None."""
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except Exception:
+            return None
+        for x in inputs:
+            try:
+                if x.untyped_storage().data_ptr() == ptr and x.dtype == t.dtype and x.device == t.device:
+                    return x
+            except Exception:
+                continue
+        return None
 
     def _derived_view(self, t, producer, inputs, op, enc_args):
         """Hash mode: a strided view (w.t(), a transpose, an expand) of a known value gets a fingerprint derived
@@ -298,8 +384,7 @@ class Recorder:
         bytes (same op on the same bytes), so no false "identical" can come of it; a value that reaches a module
         boundary is hashed for real there (`_real_hash`), where the other side may hold the same bytes made
         another way."""
-        src = next((x for x in inputs if x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                    and x.dtype == t.dtype and x.device == t.device), None)
+        src = self._alias_source(t, inputs)
         e = self._tensors.get(src) if src is not None else None
         if e is None or e[1] != self._version(src):
             return None
@@ -309,8 +394,8 @@ class Recorder:
         key = json.dumps([op, e[2].hash, e[2].dtype, list(t.shape), consts], separators=(",", ":"))
         h = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
         stats = e[2].stats if op.split(".")[1] in ("t", "transpose", "permute", "numpy_T", "mT") else {}
-        v = dataclasses.replace(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
-                                stride=list(t.stride()), hash=h, stats=stats)
+        v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
+                       stride=list(t.stride()), hash=h, stats=stats)
         self._derived.add(v.vid)
         return v
 
@@ -464,13 +549,13 @@ class Recorder:
                 self._note_writes(func, args, kwargs)
             return out
         with _BUSY:
-            tensors_in = flatten_tensors((args, kwargs), "", [])
-            plain_in = [self._plain(t, str(func)) for _, t in tensors_in]
-            plain = all(p is not None for p in plain_in)
+            tensors_in = op_tensors((args, kwargs), [])
+            plain_in = [self._plain(t, func) for t in tensors_in]
+            plain = None not in plain_in
             if plain:
                 values: list = []
                 vids: list[int] = []
-                local = {id(t): p for (_, t), p in zip(tensors_in, plain_in)}
+                local = {id(t): p for t, p in zip(tensors_in, plain_in)}
                 enc_args = [self._encode(a, values, vids, local) for a in args]
                 enc_kwargs = {k: self._encode(v, values, vids, local) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
@@ -478,13 +563,14 @@ class Recorder:
         if not plain:
             return out
         with _BUSY:
-            outs = [t for _, t in flatten_tensors(out, "", [])]
-            plain_out = [self._plain(t, str(func)) for t in outs]
-            if not outs or any(p is None for p in plain_out):
+            outs = op_tensors(out, [])
+            plain_out = [self._plain(t, func) for t in outs]
+            if not outs or None in plain_out:
                 return out
             index = self._take_index()
             name = _op_name(func)
-            out_vids = [self._produced(p, index, plain_in, values, name, enc_args) for p in plain_out]
+            is_view = getattr(func, "is_view", False)
+            out_vids = [self._produced(p, index, plain_in, values, name, enc_args, is_view) for p in plain_out]
             vid_by_id = {id(t): v for t, v in zip(outs, out_vids)}
             enc_out = self._encode_out(out, vid_by_id)
             rec = OpRecord(index, self._stack[-1].call_id, name, enc_args, enc_kwargs, vids, out_vids, enc_out)

@@ -297,3 +297,84 @@ def test_dtensor_records_its_local_tensor(tmp_path):
         assert same_bits(t.tensor(t.calls[0].outputs[0][1]), out.to_local())
     finally:
         dist.destroy_process_group()
+
+
+class _Proj(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4, bias=False)  # its weight was initialised in place: version > 0
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", ["hash", "full"])
+def test_view_of_a_modified_parameter_links_to_its_producer(tmp_path, mode):
+    # Inside the dispatch mode a view's version counter still reads 0; it becomes its base's only after the op
+    # returns. Recorded as 0, the transposed weight looked changed at its next read: it was hashed again and
+    # entered the trace as a new value from outside, cutting the data flow from `t` to `mm`.
+    m = _Proj()
+    assert m.lin.weight._version > 0
+    with torch.no_grad(), divtrace.record(m, tmp_path / "t", mode=mode):
+        m(torch.randn(3, 8))
+    t = Trace(tmp_path / "t")
+    ops = {r.op: r for r in t.records if r.kind == "op"}
+    assert ops["aten.mm.default"].inputs[1] == ops["aten.t.default"].outputs[0]
+    assert sum(1 for v in t.values.values() if v.producer is None and v.shape == [8, 4]) == 0
+
+
+class _InPlaceThenUse(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        y.add_(1)  # the version moves after the op returns; the next read must see the same value
+        w = x * 1
+        v = w.t()
+        w.mul_(3)  # through the base: the view's bytes change
+        return y * 3, v + 0
+
+
+@pytest.mark.parametrize("mode", ["hash", "full"])
+def test_in_place_results_keep_their_producer_and_changes_through_a_base_are_seen(tmp_path, mode):
+    m = _InPlaceThenUse()
+    x = torch.randn(2, 3)
+    with torch.no_grad(), divtrace.record(m, tmp_path / "t", mode=mode):
+        m(x)
+    t = Trace(tmp_path / "t")
+    ops = [r for r in t.records if r.kind == "op"]
+    add_ = next(r for r in ops if r.op == "aten.add_.Tensor")
+    mul3 = next(r for r in ops if r.op == "aten.mul.Tensor" and r.args[1] == 3)
+    assert mul3.inputs[0] == add_.outputs[0]
+    assert t.values[add_.outputs[0]].hash == tensor_hash(x * 2 + 1)
+    plus = next(r for r in ops if r.op == "aten.add.Tensor")
+    assert t.values[plus.inputs[0]].hash == tensor_hash((x * 3).t())  # not the stale (x * 1).t()
+
+
+class _AsStrided(nn.Module):
+    def __init__(self, transposed_copy: bool):
+        super().__init__()
+        self.transposed_copy = transposed_copy
+
+    def forward(self, x):
+        y = x.t().contiguous().t() if self.transposed_copy else x.clone()  # same values, other layout
+        return torch.as_strided(y, (2, 2), (1, 4)) * 1  # reads storage (a strided view): the sides differ here
+
+
+def test_as_strided_is_fingerprinted_by_its_bytes(tmp_path):
+    # A strided view's fingerprint may be derived from its input's, which is sound only when the view's values
+    # follow from the input's values. as_strided reads the storage: a derived fingerprint would call the two
+    # sides' different bytes equal.
+    x = torch.randn(3, 4)
+    for name, flag in (("a", False), ("b", True)):
+        m = _AsStrided(flag)
+        with torch.no_grad(), divtrace.record(m, tmp_path / name, mode="hash"):
+            m(x)
+    hashes = []
+    for name, flag in (("a", False), ("b", True)):
+        t = Trace(tmp_path / name)
+        r = next(r for r in t.records if r.kind == "op" and r.op == "aten.as_strided.default")
+        y = x.t().contiguous().t() if flag else x.clone()
+        assert t.values[r.outputs[0]].hash == tensor_hash(torch.as_strided(y, (2, 2), (1, 4)))
+        hashes.append(t.values[r.outputs[0]].hash)
+    assert hashes[0] != hashes[1]
+    r = divtrace.bisect(tmp_path / "a", tmp_path / "b")
+    assert r.verdict == "diverged" and r.first.module == ""

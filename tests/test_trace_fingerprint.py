@@ -65,3 +65,11 @@ def test_layout_does_not_matter_but_order_does():
     assert tensor_hash(e) == tensor_hash(e.contiguous())
     one = torch.arange(512.).view(2, 256)[:, 0:1][0]  # one element, stride 256
     assert tensor_hash(one) == reference_hash(one.clone())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8, torch.bool])
+def test_slice_starting_mid_lane(dtype):
+    # x[1:] of a 2-byte dtype starts 2 bytes into a 4-byte lane: the torch path raised on the int32 view.
+    x = torch.randn(4, 9).to(dtype)[1:]
+    assert x.storage_offset() and x.is_contiguous()
+    assert tensor_hash(x, fused=True) == tensor_hash(x, fused=False) == reference_hash(x) == tensor_hash(x.clone())

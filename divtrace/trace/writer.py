@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from divtrace.errors import DivtraceError
-from divtrace.fingerprint import HASH_SCHEME, fingerprint
+from divtrace.fingerprint import HASH_SCHEME, IMPLEMENTATION, dtype_name, fingerprint, flat_bytes
 from divtrace.records import FORMAT_VERSION, TensorValue, json_safe, record_compact
 from divtrace.trace.files import (CHECKSUMS, META, RECORDS, SHARD_GLOB, SHARD_PATTERN, atomic_write_bytes,
                                   atomic_write_json, sha256_file)
@@ -38,14 +38,17 @@ for _n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
         _ST_DTYPES.add(getattr(torch, _n))
 
 
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))  # json.dumps builds one per call
+
+
 def _record_line(rec, values: list[TensorValue]) -> str:
     # Records and values are flat dataclasses of JSON-ready fields (stats were made safe when taken), so
     # record_compact reads their fields directly: dataclasses.asdict deep-copies and was a third of the cost.
     d = record_compact(rec, values)
     try:
-        return json.dumps(d, allow_nan=False, separators=(",", ":"))
+        return _ENCODER.encode(d)
     except ValueError:  # a non-finite float slipped into an op argument
-        return json.dumps(json_safe(d), allow_nan=False, separators=(",", ":"))
+        return _ENCODER.encode(json_safe(d))
 
 
 def prepare_trace_dir(path: Path, overwrite: bool) -> None:
@@ -81,7 +84,7 @@ class TraceWriter:
         self.mode = mode
         prepare_trace_dir(self.path, overwrite)
         self.meta = dict(meta, format_version=FORMAT_VERSION, mode=mode, status="running", complete=False,
-                         started=time.time(), hash_scheme=HASH_SCHEME)
+                         started=time.time(), hash_scheme=HASH_SCHEME, hash_impl=IMPLEMENTATION)
         self._shard_bytes = shard_bytes
         self._flush_records = max(1, int(flush_records))
         self._pending_records: list = []
@@ -118,18 +121,20 @@ class TraceWriter:
         self._next_vid += 1
         return vid
 
-    def new_value(self, t: torch.Tensor, producer: int | None) -> TensorValue:
-        """Fingerprint `t` now (and keep a copy of its bytes in full mode), returning its new value."""
-        t = t.detach()
-        h, stats, flat = fingerprint(t)
-        v = TensorValue(vid=self.take_vid(), dtype=str(t.dtype), shape=list(t.shape), stride=list(t.stride()),
-                        hash=h, device=str(t.device), stats=json_safe(stats), producer=producer,
-                        nbytes=t.numel() * t.element_size())
+    def new_value(self, t: torch.Tensor, producer: int | None, fp: tuple[str, dict] | None = None) -> TensorValue:
+        """Fingerprint `t` now (and keep a copy of its bytes in full mode), returning its new value. `fp` is
+        `fingerprint(t)` when the caller has just taken it."""
+        h, stats = fp if fp is not None else fingerprint(t)
+        dev = t.device
+        v = TensorValue(self.take_vid(), dtype_name(t.dtype), list(t.shape), list(t.stride()), h,
+                        dev.type if dev.index is None else str(dev), stats, producer, None, None,
+                        t.numel() * t.element_size())
         if self.mode == "full":
             # Content-addressed: views, reshapes and copies of the same bytes share one blob.
             key = f"{str(t.dtype).removeprefix('torch.')}-{t.numel()}-{h}"
             if key not in self._blobs and key not in self._pending_tensors:
                 # `flat` is already a private copy when `t` was not contiguous; otherwise it aliases `t`.
+                flat = flat_bytes(t)
                 keep = flat if flat.data_ptr() != t.data_ptr() or flat.numel() == 0 else flat.clone()
                 self._pending_tensors[key] = keep.to("cpu")
                 self._pending_nbytes += v.nbytes

@@ -1,0 +1,634 @@
+/* divtrace._native: the CPU fingerprint (scheme lane32-wsum128) and summary statistics in one pass.
+
+   The same numbers as divtrace/fingerprint.py computes with torch ops (the path accelerators and machines
+   without a C compiler take); tests check the two against each other and against the plain-Python reference.
+
+   The raw bytes of a tensor, in logical (row-major) order, are cut into lanes of w = 4, 2 or 1 bytes (the
+   widest that divides the byte count), each read as a signed little-endian integer x. With the 1024 inner
+   weights W_r[j] and the outer weights U_r[b] (odd 64-bit constants, passed in from Python):
+       H_r = sum_b U_r[b] * S_r[b],   S_r[b] = sum_j x[1024 b + j] * W_r[j]   (mod 2**64), r = 0, 1.
+   A 64x64-bit multiply has no vector instruction before AVX-512, so each product is split: with x sign-
+   extended from 32 bits, xu = x mod 2**32 and m = 0xffffffff when x < 0,
+       x * W = xu * W_lo + ((xu * W_hi - (m & W_lo)) mod 2**32) << 32   (mod 2**64)
+   which is one 32x32->64 multiply and one 32-bit multiply: both vectorize (an AVX2 kernel on x86-64, chosen at import).
+
+   Non-contiguous tensors are gathered into a small staging buffer (a multiple of every block size), never
+   copied whole. The statistics (min, max, sum over finite values, NaN/Inf counts) are taken per block while
+   the block is in cache; a tensor with any non-finite value gets a second, exact pass. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 1024
+#define STAGE (64 * 1024) /* bytes; a multiple of 4 * BLOCK and of every element size */
+#define MAXDIM 64
+/* Helpers are inlined into each ISA's consume_*(), so each copy is compiled for that ISA. */
+#define INLINE inline __attribute__((always_inline))
+#pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vector values only pass between always-inlined helpers */
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define DIVTRACE_X86 1
+#include <immintrin.h>
+#endif
+
+static uint32_t W_LO[2][BLOCK] __attribute__((aligned(64))), W_HI[2][BLOCK] __attribute__((aligned(64)));
+static int have_weights = 0;
+
+enum { ST_NONE = 0, ST_F32 = 1, ST_F64 = 2, ST_F16 = 3, ST_BF16 = 4 };
+
+typedef struct {
+    /* hash */
+    int lane;              /* bytes per lane */
+    const uint64_t *u0, *u1;
+    size_t n_outer, block; /* outer weights available; index of the next block */
+    uint64_t h0, h1;
+    /* stats */
+    int kind, careful;
+    double lo, hi, sum;
+    int64_t finite, nan, inf;
+} state_t;
+
+/* One block of 32-bit lanes, plain C: the reference form of the kernels below and the path of non-x86
+   machines (compilers vectorize it there). */
+static INLINE void block_sums32_tail(const uint8_t *p, size_t j, size_t n, uint64_t *r0, uint64_t *r1, uint32_t *c0,
+                                     uint32_t *c1) {
+    for (; j < n; j++) {
+        uint32_t xu;
+        memcpy(&xu, p + 4 * j, 4);
+        uint32_t m = 0u - (xu >> 31);
+        *r0 += (uint64_t)xu * W_LO[0][j];
+        *r1 += (uint64_t)xu * W_LO[1][j];
+        *c0 += xu * W_HI[0][j] - (m & W_LO[0][j]);
+        *c1 += xu * W_HI[1][j] - (m & W_LO[1][j]);
+    }
+}
+
+static INLINE void block_sums32_generic(const uint8_t *p, size_t n, uint64_t *s0, uint64_t *s1) {
+    uint64_t r0 = 0, r1 = 0;
+    uint32_t c0 = 0, c1 = 0;
+    block_sums32_tail(p, 0, n, &r0, &r1, &c0, &c1);
+    *s0 = r0 + ((uint64_t)c0 << 32);
+    *s1 = r1 + ((uint64_t)c1 << 32);
+}
+
+#ifdef DIVTRACE_X86
+/* x86: pmuludq multiplies the low 32 bits of each 64-bit lane, so the even lanes' products come straight from
+   the loaded vectors and the odd lanes' after a 32-bit shift; the high halves are plain 32-bit products. */
+__attribute__((target("avx2"))) static INLINE void block_sums32_avx2(const uint8_t *p, size_t n, uint64_t *s0,
+                                                                    uint64_t *s1) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0;
+    size_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(p + 4 * j));
+        __m256i l0 = _mm256_load_si256((const __m256i *)&W_LO[0][j]);
+        __m256i l1 = _mm256_load_si256((const __m256i *)&W_LO[1][j]);
+        __m256i h0 = _mm256_load_si256((const __m256i *)&W_HI[0][j]);
+        __m256i h1 = _mm256_load_si256((const __m256i *)&W_HI[1][j]);
+        __m256i xo = _mm256_srli_epi64(x, 32), m = _mm256_srai_epi32(x, 31);
+        a0 = _mm256_add_epi64(a0, _mm256_add_epi64(_mm256_mul_epu32(x, l0),
+                                                   _mm256_mul_epu32(xo, _mm256_srli_epi64(l0, 32))));
+        a1 = _mm256_add_epi64(a1, _mm256_add_epi64(_mm256_mul_epu32(x, l1),
+                                                   _mm256_mul_epu32(xo, _mm256_srli_epi64(l1, 32))));
+        b0 = _mm256_add_epi32(b0, _mm256_sub_epi32(_mm256_mullo_epi32(x, h0), _mm256_and_si256(m, l0)));
+        b1 = _mm256_add_epi32(b1, _mm256_sub_epi32(_mm256_mullo_epi32(x, h1), _mm256_and_si256(m, l1)));
+    }
+    uint64_t ra[4], rb[4];
+    uint32_t ca[8], cb[8];
+    _mm256_storeu_si256((__m256i *)ra, a0);
+    _mm256_storeu_si256((__m256i *)rb, a1);
+    _mm256_storeu_si256((__m256i *)ca, b0);
+    _mm256_storeu_si256((__m256i *)cb, b1);
+    uint64_t r0 = ra[0] + ra[1] + ra[2] + ra[3], r1 = rb[0] + rb[1] + rb[2] + rb[3];
+    uint32_t c0 = 0, c1 = 0;
+    for (int k = 0; k < 8; k++)
+        c0 += ca[k], c1 += cb[k];
+    block_sums32_tail(p, j, n, &r0, &r1, &c0, &c1);
+    *s0 = r0 + ((uint64_t)c0 << 32);
+    *s1 = r1 + ((uint64_t)c1 << 32);
+}
+
+#endif
+
+static INLINE void block_sums_narrow(const uint8_t *p, size_t n, int lane, uint64_t *s0, uint64_t *s1) {
+    uint64_t a0 = 0, a1 = 0;
+    uint32_t b0 = 0, b1 = 0;
+    for (size_t j = 0; j < n; j++) {
+        int32_t x;
+        if (lane == 2) {
+            int16_t v;
+            memcpy(&v, p + 2 * j, 2);
+            x = v;
+        } else {
+            x = (int8_t)p[j];
+        }
+        uint32_t xu = (uint32_t)x, m = 0u - (xu >> 31);
+        a0 += (uint64_t)xu * W_LO[0][j];
+        a1 += (uint64_t)xu * W_LO[1][j];
+        b0 += xu * W_HI[0][j] - (m & W_LO[0][j]);
+        b1 += xu * W_HI[1][j] - (m & W_LO[1][j]);
+    }
+    *s0 = a0 + ((uint64_t)b0 << 32);
+    *s1 = a1 + ((uint64_t)b1 << 32);
+}
+
+/* Branch-free, so the loops below vectorize: exponent rebias, infinities/NaNs rebiased twice, zero and
+   subnormals through one float subtraction (exact). */
+static INLINE float half_to_float(uint16_t h) {
+    uint32_t o = (uint32_t)(h & 0x7fffu) << 13, e = o & 0x0f800000u, bits;
+    uint32_t normal = o + (112u << 23) + (e == 0x0f800000u ? (112u << 23) : 0u);
+    float magic, sub;
+    uint32_t mbits = 113u << 23, sbits = o + mbits;
+    memcpy(&magic, &mbits, 4);
+    memcpy(&sub, &sbits, 4);
+    sub -= magic;
+    memcpy(&bits, &sub, 4);
+    bits = (e == 0 ? bits : normal) | ((uint32_t)(h & 0x8000u) << 16);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static INLINE float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static INLINE float elem_as_float(const uint8_t *p, size_t i, int kind) {
+    if (kind == ST_F32) {
+        float f;
+        memcpy(&f, p + 4 * i, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, p + 2 * i, 2);
+    return kind == ST_F16 ? half_to_float(h) : bf16_to_float(h);
+}
+
+/* Statistics of one block for the generic kernel: min, max and sum. NaNs fall out of the compares and poison
+   the sum, and infinities reach min/max: either one sends the tensor to the exact pass. GCC/Clang vector types
+   of 16 bytes (wider ones are lowered badly where the target has no such registers), four in flight. */
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+typedef uint32_t v4u __attribute__((vector_size(16)));
+typedef uint16_t v4h __attribute__((vector_size(8)));
+typedef double v2d __attribute__((vector_size(16)));
+typedef int64_t v2l __attribute__((vector_size(16)));
+
+static INLINE v4f v4f_min(v4f a, v4f b) { v4i m = a < b; return (v4f)((m & (v4i)a) | (~m & (v4i)b)); }
+static INLINE v4f v4f_max(v4f a, v4f b) { v4i m = a > b; return (v4f)((m & (v4i)a) | (~m & (v4i)b)); }
+static INLINE v2d v2d_min(v2d a, v2d b) { v2l m = a < b; return (v2d)((m & (v2l)a) | (~m & (v2l)b)); }
+static INLINE v2d v2d_max(v2d a, v2d b) { v2l m = a > b; return (v2d)((m & (v2l)a) | (~m & (v2l)b)); }
+
+static INLINE v4f load4_floats(const uint8_t *p, int kind) { /* 4 elements as floats */
+    if (kind == ST_F32) {
+        v4f x;
+        memcpy(&x, p, 16);
+        return x;
+    }
+    v4h h16;
+    memcpy(&h16, p, 8);
+    v4u h = __builtin_convertvector(h16, v4u);
+    if (kind == ST_BF16)
+        return (v4f)(h << 16);
+    v4u o = (h & 0x7fffu) << 13, e = o & 0x0f800000u; /* half_to_float, lane-wise */
+    v4u normal = o + (112u << 23) + ((v4u)(e == 0x0f800000u) & (112u << 23));
+    v4f sub = (v4f)(o + (113u << 23)) - (v4f)((v4u){0} + (113u << 23));
+    v4u zero_exp = (v4u)(e == 0);
+    return (v4f)(((zero_exp & (v4u)sub) | (~zero_exp & normal)) | ((h & 0x8000u) << 16));
+}
+
+static INLINE void stats_f_generic(state_t *st, const uint8_t *p, size_t n, int kind) {
+    size_t es = kind == ST_F32 ? 4 : 2, i = 0;
+    v4f lo[4], hi[4], s[4];
+    for (int k = 0; k < 4; k++)
+        lo[k] = (v4f){0} + INFINITY, hi[k] = (v4f){0} - INFINITY, s[k] = (v4f){0};
+    for (; i + 4 * 4 <= n; i += 4 * 4)
+        for (int k = 0; k < 4; k++) {
+            v4f x = load4_floats(p + es * (i + 4 * k), kind);
+            lo[k] = v4f_min(x, lo[k]), hi[k] = v4f_max(x, hi[k]), s[k] += x;
+        }
+    double sum = 0.0;
+    for (int k = 0; k < 4; k++)
+        for (int e = 0; e < 4; e++) {
+            st->lo = lo[k][e] < st->lo ? lo[k][e] : st->lo;
+            st->hi = hi[k][e] > st->hi ? hi[k][e] : st->hi;
+            sum += s[k][e];
+        }
+    for (; i < n; i++) {
+        float x = elem_as_float(p, i, kind);
+        st->lo = x < st->lo ? x : st->lo;
+        st->hi = x > st->hi ? x : st->hi;
+        sum += x;
+    }
+    st->sum += sum;
+}
+
+static INLINE void stats_d_generic(state_t *st, const uint8_t *p, size_t n) {
+    size_t i = 0;
+    v2d lo[4], hi[4], s[4];
+    for (int k = 0; k < 4; k++)
+        lo[k] = (v2d){0} + INFINITY, hi[k] = (v2d){0} - INFINITY, s[k] = (v2d){0};
+    for (; i + 2 * 4 <= n; i += 2 * 4)
+        for (int k = 0; k < 4; k++) {
+            v2d x;
+            memcpy(&x, p + 8 * (i + 2 * k), 16);
+            lo[k] = v2d_min(x, lo[k]), hi[k] = v2d_max(x, hi[k]), s[k] += x;
+        }
+    double sum = 0.0;
+    for (int k = 0; k < 4; k++)
+        for (int e = 0; e < 2; e++) {
+            st->lo = lo[k][e] < st->lo ? lo[k][e] : st->lo;
+            st->hi = hi[k][e] > st->hi ? hi[k][e] : st->hi;
+            sum += s[k][e];
+        }
+    for (; i < n; i++) {
+        double x;
+        memcpy(&x, p + 8 * i, 8);
+        st->lo = x < st->lo ? x : st->lo;
+        st->hi = x > st->hi ? x : st->hi;
+        sum += x;
+    }
+    st->sum += sum;
+}
+
+static INLINE void stats_fast_generic(state_t *st, const uint8_t *p, size_t nbytes) {
+    switch (st->kind) {
+    case ST_F64: stats_d_generic(st, p, nbytes / 8); break;
+    case ST_F32: stats_f_generic(st, p, nbytes / 4, ST_F32); break;
+    case ST_BF16: stats_f_generic(st, p, nbytes / 2, ST_BF16); break;
+    case ST_F16: stats_f_generic(st, p, nbytes / 2, ST_F16); break;
+    }
+}
+
+#ifdef DIVTRACE_X86
+/* The same statistics for the AVX2 kernel, where min/max are single instructions: _mm256_min_ps(x, lo) returns
+   lo when x is NaN, as `x < lo ? x : lo` does. */
+__attribute__((target("avx2,f16c"))) static INLINE __m256 load_floats_avx2(const uint8_t *p, int kind) {
+    if (kind == ST_F32)
+        return _mm256_loadu_ps((const float *)p);
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (kind == ST_F16)
+        return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx2,f16c"))) static INLINE void stats_f_avx2(state_t *st, const uint8_t *p, size_t n,
+                                                                     int kind) {
+    size_t es = kind == ST_F32 ? 4 : 2, i = 0;
+    __m256 lo[4], hi[4], s[4];
+    for (int k = 0; k < 4; k++)
+        lo[k] = _mm256_set1_ps(INFINITY), hi[k] = _mm256_set1_ps(-INFINITY), s[k] = _mm256_setzero_ps();
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; k++) {
+            __m256 x = load_floats_avx2(p + es * (i + 8 * k), kind);
+            lo[k] = _mm256_min_ps(x, lo[k]), hi[k] = _mm256_max_ps(x, hi[k]), s[k] = _mm256_add_ps(s[k], x);
+        }
+    float l[32], h[32], a[32];
+    for (int k = 0; k < 4; k++) {
+        _mm256_storeu_ps(l + 8 * k, lo[k]);
+        _mm256_storeu_ps(h + 8 * k, hi[k]);
+        _mm256_storeu_ps(a + 8 * k, s[k]);
+    }
+    double sum = 0.0;
+    for (int e = 0; e < 32; e++) {
+        st->lo = l[e] < st->lo ? l[e] : st->lo;
+        st->hi = h[e] > st->hi ? h[e] : st->hi;
+        sum += a[e];
+    }
+    for (; i < n; i++) {
+        float x = elem_as_float(p, i, kind);
+        st->lo = x < st->lo ? x : st->lo;
+        st->hi = x > st->hi ? x : st->hi;
+        sum += x;
+    }
+    st->sum += sum;
+}
+
+__attribute__((target("avx2"))) static INLINE void stats_d_avx2(state_t *st, const uint8_t *p, size_t n) {
+    size_t i = 0;
+    __m256d lo[4], hi[4], s[4];
+    for (int k = 0; k < 4; k++)
+        lo[k] = _mm256_set1_pd(INFINITY), hi[k] = _mm256_set1_pd(-INFINITY), s[k] = _mm256_setzero_pd();
+    for (; i + 16 <= n; i += 16)
+        for (int k = 0; k < 4; k++) {
+            __m256d x = _mm256_loadu_pd((const double *)(p + 8 * (i + 4 * k)));
+            lo[k] = _mm256_min_pd(x, lo[k]), hi[k] = _mm256_max_pd(x, hi[k]), s[k] = _mm256_add_pd(s[k], x);
+        }
+    double l[16], h[16], a[16], sum = 0.0;
+    for (int k = 0; k < 4; k++) {
+        _mm256_storeu_pd(l + 4 * k, lo[k]);
+        _mm256_storeu_pd(h + 4 * k, hi[k]);
+        _mm256_storeu_pd(a + 4 * k, s[k]);
+    }
+    for (int e = 0; e < 16; e++) {
+        st->lo = l[e] < st->lo ? l[e] : st->lo;
+        st->hi = h[e] > st->hi ? h[e] : st->hi;
+        sum += a[e];
+    }
+    for (; i < n; i++) {
+        double x;
+        memcpy(&x, p + 8 * i, 8);
+        st->lo = x < st->lo ? x : st->lo;
+        st->hi = x > st->hi ? x : st->hi;
+        sum += x;
+    }
+    st->sum += sum;
+}
+
+__attribute__((target("avx2,f16c"))) static INLINE void stats_fast_avx2(state_t *st, const uint8_t *p,
+                                                                        size_t nbytes) {
+    switch (st->kind) {
+    case ST_F64: stats_d_avx2(st, p, nbytes / 8); break;
+    case ST_F32: stats_f_avx2(st, p, nbytes / 4, ST_F32); break;
+    case ST_BF16: stats_f_avx2(st, p, nbytes / 2, ST_BF16); break;
+    case ST_F16: stats_f_avx2(st, p, nbytes / 2, ST_F16); break;
+    }
+}
+#endif
+
+static void stats_exact(state_t *st, const uint8_t *p, size_t nbytes) {
+    size_t es = st->kind == ST_F64 ? 8 : st->kind == ST_F32 ? 4 : 2, n = nbytes / es;
+    for (size_t i = 0; i < n; i++) {
+        double x;
+        if (st->kind == ST_F64)
+            memcpy(&x, p + 8 * i, 8);
+        else
+            x = elem_as_float(p, i, st->kind);
+        if (isnan(x))
+            st->nan++;
+        else if (isinf(x))
+            st->inf++;
+        else {
+            st->lo = x < st->lo ? x : st->lo;
+            st->hi = x > st->hi ? x : st->hi;
+            st->sum += x;
+            st->finite++;
+        }
+    }
+}
+
+/* Consume bytes of the logical stream: whole blocks, and a partial one only at the very end. One copy per
+   ISA, each with its own block kernel and the statistics compiled for that ISA. */
+#define DEFINE_CONSUME(NAME, ATTR, SUMS32, STATS)                                                                  \
+    ATTR static void NAME(state_t *st, const uint8_t *p, size_t nbytes) {                                     \
+        size_t bbytes = (size_t)BLOCK * st->lane;                                                              \
+        while (nbytes) {                                                                                       \
+            size_t take = nbytes < bbytes ? nbytes : bbytes, n = take / st->lane;                              \
+            uint64_t s0, s1;                                                                                   \
+            if (st->lane == 4)                                                                                 \
+                SUMS32(p, n, &s0, &s1);                                                                        \
+            else                                                                                               \
+                block_sums_narrow(p, n, st->lane, &s0, &s1);                                                   \
+            st->h0 += s0 * st->u0[st->block];                                                                  \
+            st->h1 += s1 * st->u1[st->block];                                                                  \
+            st->block++;                                                                                       \
+            if (st->kind != ST_NONE)                                                                           \
+                STATS(st, p, take);                                                                            \
+            p += take;                                                                                         \
+            nbytes -= take;                                                                                    \
+        }                                                                                                      \
+    }
+
+DEFINE_CONSUME(consume_generic, , block_sums32_generic, stats_fast_generic)
+#ifdef DIVTRACE_X86
+DEFINE_CONSUME(consume_avx2, __attribute__((target("avx2,f16c"))), block_sums32_avx2, stats_fast_avx2)
+#endif
+
+typedef void (*consume_fn)(state_t *, const uint8_t *, size_t);
+static consume_fn consume_fast = consume_generic;
+static const char *isa = "generic";
+
+static void consume(state_t *st, const uint8_t *p, size_t nbytes) {
+    if (st->careful)
+        stats_exact(st, p, nbytes);
+    else
+        consume_fast(st, p, nbytes);
+}
+
+/* The fastest kernel this CPU runs, or the one asked for (tests run every kernel against the reference). An
+   AVX-512 copy of the AVX2 kernel measured slower on the project's AMD EPYC (11.9 vs 15.3 GB/s from cache), so
+   there is none. */
+static int select_isa(const char *want) {
+#ifdef DIVTRACE_X86
+    __builtin_cpu_init();
+    if ((!want || !strcmp(want, "avx2")) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+        consume_fast = consume_avx2, isa = "avx2";
+        return 0;
+    }
+#endif
+    if (!want || !strcmp(want, "generic")) {
+        consume_fast = consume_generic, isa = "generic";
+        return 0;
+    }
+    return -1;
+}
+
+typedef struct {
+    const uint8_t *base;
+    size_t es;
+    int nd;
+    int64_t size[MAXDIM], stride[MAXDIM]; /* stride in bytes, dims of size 1 dropped, contiguous dims merged */
+} layout_t;
+
+static void walk(state_t *st, const layout_t *L, uint8_t *stage) {
+    if (L->nd == 0 || (L->nd == 1 && L->stride[0] == (int64_t)L->es)) {
+        consume(st, L->base, (L->nd ? (size_t)L->size[0] : 1) * L->es);
+        return;
+    }
+    int outer = L->nd - 1;
+    int64_t idx[MAXDIM] = {0};
+    int64_t n = L->size[outer], sb = L->stride[outer];
+    size_t es = L->es, fill = 0;
+    for (;;) {
+        const uint8_t *row = L->base;
+        for (int d = 0; d < outer; d++)
+            row += idx[d] * L->stride[d];
+        if (sb == (int64_t)es) {
+            size_t left = (size_t)n * es;
+            while (left) {
+                size_t take = STAGE - fill < left ? STAGE - fill : left;
+                memcpy(stage + fill, row, take);
+                row += take, left -= take, fill += take;
+                if (fill == STAGE)
+                    consume(st, stage, fill), fill = 0;
+            }
+        } else {
+            for (int64_t i = 0; i < n; i++) {
+                const uint8_t *src = row + i * sb;
+                switch (es) {
+                case 4: memcpy(stage + fill, src, 4); break;
+                case 2: memcpy(stage + fill, src, 2); break;
+                case 8: memcpy(stage + fill, src, 8); break;
+                case 1: stage[fill] = *src; break;
+                default: memcpy(stage + fill, src, es);
+                }
+                fill += es;
+                if (fill == STAGE)
+                    consume(st, stage, fill), fill = 0;
+            }
+        }
+        int d = outer - 1;
+        while (d >= 0 && ++idx[d] == L->size[d])
+            idx[d--] = 0;
+        if (d < 0)
+            break;
+    }
+    if (fill)
+        consume(st, stage, fill);
+}
+
+static int read_int64_seq(PyObject *seq, int64_t *out, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
+        long long v = PyLong_AsLongLong(o);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        out[i] = v;
+    }
+    return 0;
+}
+
+static PyObject *py_set_weights(PyObject *self, PyObject *args) {
+    unsigned long long ptr;
+    if (!PyArg_ParseTuple(args, "K", &ptr))
+        return NULL;
+    const uint64_t *w = (const uint64_t *)(uintptr_t)ptr; /* int64 tensor (2, BLOCK), contiguous */
+    for (int r = 0; r < 2; r++)
+        for (int j = 0; j < BLOCK; j++) {
+            W_LO[r][j] = (uint32_t)w[r * BLOCK + j];
+            W_HI[r][j] = (uint32_t)(w[r * BLOCK + j] >> 32);
+        }
+    have_weights = 1;
+    Py_RETURN_NONE;
+}
+
+/* fingerprint(ptr, elem_size, shape, strides, outer_ptr, outer_row_stride, outer_len, stats_kind)
+   -> (h0, h1, stats) with stats None or (min, max, sum, finite, nan, inf). Strides are in elements. */
+static PyObject *py_fingerprint(PyObject *self, PyObject *args) {
+    unsigned long long ptr, optr;
+    Py_ssize_t es, orow, olen;
+    int kind;
+    PyObject *shape, *strides;
+    if (!PyArg_ParseTuple(args, "KnOOKnni", &ptr, &es, &shape, &strides, &optr, &orow, &olen, &kind))
+        return NULL;
+    if (!have_weights) {
+        PyErr_SetString(PyExc_RuntimeError, "set_weights() was not called");
+        return NULL;
+    }
+    PyObject *fs = PySequence_Fast(shape, "shape must be a sequence");
+    if (!fs)
+        return NULL;
+    PyObject *ft = PySequence_Fast(strides, "strides must be a sequence");
+    if (!ft) {
+        Py_DECREF(fs);
+        return NULL;
+    }
+    Py_ssize_t nd = PySequence_Fast_GET_SIZE(fs);
+    int64_t size[MAXDIM], stride[MAXDIM];
+    int bad = nd > MAXDIM || PySequence_Fast_GET_SIZE(ft) != nd || es <= 0;
+    if (!bad && (read_int64_seq(fs, size, nd) || read_int64_seq(ft, stride, nd)))
+        bad = -1;
+    Py_DECREF(fs);
+    Py_DECREF(ft);
+    if (bad == -1)
+        return NULL;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "unsupported layout");
+        return NULL;
+    }
+    layout_t L;
+    L.base = (const uint8_t *)(uintptr_t)ptr;
+    L.es = (size_t)es;
+    L.nd = 0;
+    uint64_t numel = 1;
+    for (Py_ssize_t d = 0; d < nd; d++) {
+        if (size[d] < 0 || stride[d] < 0) {
+            PyErr_SetString(PyExc_ValueError, "negative size or stride");
+            return NULL;
+        }
+        numel *= (uint64_t)size[d];
+        if (size[d] == 1)
+            continue;
+        int64_t sb = stride[d] * es;
+        if (L.nd && L.stride[L.nd - 1] == sb * size[d]) { /* merges with the dim before it */
+            L.size[L.nd - 1] *= size[d];
+            L.stride[L.nd - 1] = sb;
+        } else {
+            L.size[L.nd] = size[d], L.stride[L.nd] = sb, L.nd++;
+        }
+    }
+    if (numel == 0)
+        return Py_BuildValue("(KKO)", 0ULL, 0ULL, Py_None);
+    uint64_t nbytes = numel * (uint64_t)es;
+    state_t st;
+    memset(&st, 0, sizeof st);
+    st.lane = nbytes % 4 == 0 ? 4 : nbytes % 2 == 0 ? 2 : 1;
+    uint64_t blocks = (nbytes / st.lane + BLOCK - 1) / BLOCK;
+    if ((uint64_t)olen < blocks) {
+        PyErr_SetString(PyExc_ValueError, "not enough outer weights");
+        return NULL;
+    }
+    st.u0 = (const uint64_t *)(uintptr_t)optr;
+    st.u1 = st.u0 + orow;
+    st.n_outer = (size_t)olen;
+    st.kind = kind;
+    st.lo = INFINITY, st.hi = -INFINITY;
+    uint8_t *stage = NULL;
+    if (!(L.nd == 0 || (L.nd == 1 && L.stride[0] == es))) {
+        stage = (uint8_t *)malloc(STAGE);
+        if (!stage)
+            return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    walk(&st, &L, stage);
+    if (kind != ST_NONE) {
+        if (isfinite(st.lo) && isfinite(st.hi) && isfinite(st.sum)) {
+            st.finite = (int64_t)numel;
+        } else { /* a NaN or an infinity (or a float sum that overflowed): count exactly */
+            st.careful = 1;
+            st.lo = INFINITY, st.hi = -INFINITY, st.sum = 0.0;
+            walk(&st, &L, stage);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(stage);
+    if (kind == ST_NONE)
+        return Py_BuildValue("(KKO)", (unsigned long long)st.h0, (unsigned long long)st.h1, Py_None);
+    return Py_BuildValue("(KK(dddLLL))", (unsigned long long)st.h0, (unsigned long long)st.h1, st.lo, st.hi,
+                         st.sum, (long long)st.finite, (long long)st.nan, (long long)st.inf);
+}
+
+static PyObject *py_use_isa(PyObject *self, PyObject *args) {
+    const char *want = NULL;
+    if (!PyArg_ParseTuple(args, "|z", &want))
+        return NULL;
+    if (select_isa(want)) {
+        PyErr_Format(PyExc_ValueError, "kernel %s is not available on this CPU", want);
+        return NULL;
+    }
+    return PyUnicode_FromString(isa);
+}
+
+static PyMethodDef methods[] = {
+    {"use_isa", py_use_isa, METH_VARARGS,
+     "use_isa(name=None): pick the kernel ('avx2', 'generic'; None: the fastest this CPU runs); "
+     "returns the one in use. Every kernel computes the same numbers."},
+    {"set_weights", py_set_weights, METH_VARARGS, "set_weights(ptr): the (2, 1024) int64 inner weights"},
+    {"fingerprint", py_fingerprint, METH_VARARGS,
+     "fingerprint(ptr, elem_size, shape, strides, outer_ptr, outer_row_stride, outer_len, stats_kind)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "divtrace's CPU fingerprint kernel", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    select_isa(NULL);
+    return PyModule_Create(&module);
+}
