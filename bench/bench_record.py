@@ -1,17 +1,19 @@
-"""Recording overhead, full-mode write throughput, bisect scale and bytes per record, as ratios in one run.
+"""Recording overhead, full-mode write throughput and bytes per record, as ratios in one run.
 
 Model (issue 2): HF LlamaForCausalLM from config, hidden 512, 8 layers, 8 heads, intermediate 1376,
 vocab 32000, sequence 256, batch 1, fp32, torch.set_num_threads(1). Baseline: PyTorch DebugMode with bitwise
 tensor hashes (torch.hash_tensor) on the same forward.
 
-    python bench/bench_record.py [--repeats 5] [--json out.json] [--small] [--no-bisect]
+The configurations run in rounds (plain, DebugMode, hash ops, hash modules, full, then again), so a slow
+spell of a shared machine hits them all; each ratio is the median over rounds of (time / that round's plain
+forward). Bisect at scale is bench/bench_bisect.py.
+
+    python bench/bench_record.py [--repeats 7] [--json out.json] [--small]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import shutil
 import statistics
 import sys
@@ -52,17 +54,34 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(ts)
 
 
+def rounds(fns: dict, repeats: int) -> tuple[dict, dict]:
+    """Median seconds of each function, and median ratio to the first one, timed in interleaved rounds."""
+    for fn in fns.values():
+        fn()  # warm-up
+    ts: dict = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            ts[k].append(time.perf_counter() - t0)
+    base = next(iter(fns))
+    ratios = {k: statistics.median(t / b for t, b in zip(v, ts[base])) for k, v in ts.items()}
+    return {k: statistics.median(v) for k, v in ts.items()}, ratios
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--small", action="store_true", help="tiny model, for a smoke run")
-    ap.add_argument("--no-bisect", action="store_true", help="skip the 100k-record bisect benchmark")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model, ids = build(args.small)
     tmp = Path(tempfile.mkdtemp(prefix="divtrace-bench-"))
-    res: dict = {"model": "small" if args.small else "llama h512 L8 seq256 fp32", "torch": torch.__version__}
+    from divtrace.fingerprint import IMPLEMENTATION
+
+    res: dict = {"model": "small" if args.small else "llama h512 L8 seq256 fp32", "torch": torch.__version__,
+                 "hash_impl": IMPLEMENTATION}
 
     def plain():
         with torch.no_grad():
@@ -83,15 +102,14 @@ def main(argv=None) -> int:
                 model(ids, use_cache=False)
         return run
 
-    t_plain = timed(plain, args.repeats)
-    t_dbg = timed(debug_mode, args.repeats)
-    t_hash_ops = timed(rec("hash", True), args.repeats)
-    t_hash_mod = timed(rec("hash", False), args.repeats)
+    res["seconds"], res["ratio_vs_plain"] = rounds(
+        {"plain": plain, "debug_mode_hash": debug_mode, "hash_ops": rec("hash", True),
+         "hash_modules": rec("hash", False)}, args.repeats)
     t_full = timed(rec("full", True), max(1, args.repeats // 2))
-    res["seconds"] = {"plain": t_plain, "debug_mode_hash": t_dbg, "hash_ops": t_hash_ops, "hash_modules": t_hash_mod,
-                      "full_ops": t_full}
-    res["ratio_vs_plain"] = {k: v / t_plain for k, v in res["seconds"].items()}
-    print(json.dumps(res["ratio_vs_plain"]), flush=True)
+    t_hash_ops = res["seconds"]["hash_ops"]
+    res["seconds"]["full_ops"] = t_full
+    res["ratio_vs_plain"]["full_ops"] = t_full / res["seconds"]["plain"]
+    print(json.dumps({k: round(v, 3) for k, v in res["ratio_vs_plain"].items()}), flush=True)
 
     # Bytes per record in hash mode.
     from divtrace.trace.reader import Trace
@@ -116,64 +134,12 @@ def main(argv=None) -> int:
     res["full_mode"] = {"unique_bytes": nbytes, "safetensors_save_s": t_save, "divtrace_extra_s": t_write,
                         "throughput_vs_safetensors": t_save / t_write}
 
-    # Bisect scale: two synthetic 100k-record hash traces (a 4-deep module tree, 10 ops per call).
-    if not args.no_bisect:
-        res["bisect_100k"] = bench_bisect(tmp, 100_000)
     shutil.rmtree(tmp, ignore_errors=True)
     txt = json.dumps(res, indent=2)
     print(txt)
     if args.json:
         args.json.write_text(txt + "\n")
     return 0
-
-
-class _Leaf(torch.nn.Module):
-    def forward(self, x):
-        for _ in range(9):
-            x = x + 1.0
-        return x
-
-
-def bench_bisect(tmp: Path, n_records: int) -> dict:
-    """Record two synthetic runs of ~n_records records each, differing only at the very end."""
-    n_calls = n_records // 12
-    leaves = torch.nn.ModuleList([_Leaf() for _ in range(n_calls)])
-
-    class Root(torch.nn.Module):
-        def __init__(self, bump):
-            super().__init__()
-            self.leaves = leaves
-            self.bump = bump
-
-        def forward(self, x):
-            for leaf in self.leaves:
-                x = leaf(x)
-            return x + self.bump
-
-    x = torch.zeros(4)
-    for name, bump in (("a", 0.0), ("b", 1.0)):
-        root = Root(bump)
-        with torch.no_grad(), divtrace.record(root, tmp / f"synth-{name}", mode="hash"):
-            root(x)
-    import subprocess
-
-    # Peak memory from /proc (VmHWM, in kB): ru_maxrss survives exec and would report this process's peak.
-    code = ("import json,re,time,sys;import divtrace.compare.bisect as b;"
-            "hwm=lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1));"
-            "m0=hwm();t=time.perf_counter();"
-            "r=b.bisect(sys.argv[1],sys.argv[2]);"
-            "print(json.dumps([time.perf_counter()-t, hwm(), m0, "
-            "r.verdict, r.first.module if r.first else None, r.compared]))")
-    p = subprocess.run([sys.executable, "-c", code, str(tmp / "synth-a"), str(tmp / "synth-b")], capture_output=True,
-                       text=True, check=True)
-    secs, rss, rss0, verdict, module, compared = json.loads(p.stdout)
-    from divtrace.trace.reader import Trace
-
-    n = len(Trace(tmp / "synth-a").records)
-    return {"records_per_trace": n, "seconds": float(secs), "max_rss_mb": int(rss) / 1024,
-            "rss_after_import_mb": int(rss0) / 1024, "bisect_rss_growth_mb": (int(rss) - int(rss0)) / 1024,
-            "verdict": verdict, "first_module": module,
-            "bytes_per_record": (tmp / "synth-a" / "records.jsonl").stat().st_size / n}
 
 
 if __name__ == "__main__":

@@ -57,6 +57,10 @@ _DERIVABLE_VIEWS = {f"aten.{n}" for n in ("t.default", "transpose.int", "permute
                                           "unsqueeze.default", "squeeze.dim", "view.default",
                                           "numpy_T.default", "mT.default", "alias.default")}
 _SEQ = itertools.count()
+# The derived-view key, as json.dumps(..., default=str, separators=(",", ":")) writes it (built once: json.dumps
+# builds an encoder per call). Changing the key changes every derived fingerprint, as a new hash scheme would.
+_VIEW_KEY_JSON = json.JSONEncoder(default=str, separators=(",", ":"))
+_VID_JSON = re.compile(r'\{"\$v":\d+\}')
 
 
 class RecordingTerminated(KeyboardInterrupt):
@@ -161,6 +165,19 @@ class TensorTable:
 
 
 _MUTATED: dict = {}  # op overload -> [(position, name)] of the arguments it writes to
+
+
+_READS_ONLY: dict = {}
+
+
+def _reads_only(func) -> bool:
+    """Whether the op's schema says it writes none of its arguments (no schema: assume it may)."""
+    r = _READS_ONLY.get(func)
+    if r is None:
+        schema = getattr(func, "_schema", None)
+        r = _READS_ONLY[func] = schema is not None and not any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return r
 
 
 def _mutated_args(func) -> list:
@@ -389,9 +406,9 @@ class Recorder:
         if e is None or e[1] != self._version(src):
             return None
         # vids are per trace: mask them so both sides derive the same fingerprint from the same op and bytes
-        consts = json.dumps(enc_args, default=str, separators=(",", ":"))
-        consts = re.sub(r'\{"\$v":\d+\}', "T", consts)
-        key = json.dumps([op, e[2].hash, e[2].dtype, list(t.shape), consts], separators=(",", ":"))
+        consts = _VIEW_KEY_JSON.encode(enc_args)
+        consts = _VID_JSON.sub("T", consts)
+        key = _VIEW_KEY_JSON.encode([op, e[2].hash, e[2].dtype, list(t.shape), consts])
         h = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
         stats = e[2].stats if op.split(".")[1] in ("t", "transpose", "permute", "numpy_T", "mT") else {}
         v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
@@ -548,24 +565,30 @@ class Recorder:
             if not _busy():
                 self._note_writes(func, args, kwargs)
             return out
+        # An op that writes none of its arguments leaves them as they were: its inputs are fingerprinted after it
+        # ran, so a weight streams from memory once, for the op, and is hashed from cache right after.
+        after = _reads_only(func)
+        if after:
+            out = func(*args, **kwargs)
         with _BUSY:
             tensors_in = op_tensors((args, kwargs), [])
             plain_in = [self._plain(t, func) for t in tensors_in]
-            plain = None not in plain_in
+            plain = all(p is not None for p in plain_in)  # not `None in`: that runs Tensor.__eq__
             if plain:
                 values: list = []
                 vids: list[int] = []
                 local = {id(t): p for t, p in zip(tensors_in, plain_in)}
                 enc_args = [self._encode(a, values, vids, local) for a in args]
                 enc_kwargs = {k: self._encode(v, values, vids, local) for k, v in kwargs.items()}
-        out = func(*args, **kwargs)
-        self._note_writes(func, args, kwargs)
+        if not after:
+            out = func(*args, **kwargs)
+            self._note_writes(func, args, kwargs)
         if not plain:
             return out
         with _BUSY:
             outs = op_tensors(out, [])
             plain_out = [self._plain(t, func) for t in outs]
-            if not outs or None in plain_out:
+            if not outs or any(p is None for p in plain_out):
                 return out
             index = self._take_index()
             name = _op_name(func)
