@@ -7,10 +7,11 @@
    widest that divides the byte count), each read as a signed little-endian integer x. With the 1024 inner
    weights W_r[j] and the outer weights U_r[b] (odd 64-bit constants, passed in from Python):
        H_r = sum_b U_r[b] * S_r[b],   S_r[b] = sum_j x[1024 b + j] * W_r[j]   (mod 2**64), r = 0, 1.
-   A 64x64-bit multiply has no vector instruction before AVX-512, so each product is split: with x sign-
-   extended from 32 bits, xu = x mod 2**32 and m = 0xffffffff when x < 0,
-       x * W = xu * W_lo + ((xu * W_hi - (m & W_lo)) mod 2**32) << 32   (mod 2**64)
-   which is one 32x32->64 multiply and one 32-bit multiply: both vectorize (an AVX2 kernel on x86-64, chosen at import).
+   A 64x64-bit multiply has no vector instruction before AVX-512, so each weight is split as W = WL + 2**32 WH
+   with WL its low half read as a signed int32 (and WH its high half plus WL's sign bit); for any int32 x
+       x * W = x * WL + ((x * WH) mod 2**32) << 32   (mod 2**64)
+   one signed 32x32->64 multiply and one 32-bit multiply, both vector instructions (pmuldq, pmulld): an AVX2
+   kernel on x86-64, chosen at import, and plain C elsewhere.
 
    Non-contiguous tensors are gathered into a small staging buffer (a multiple of every block size), never
    copied whole. The statistics (min, max, sum over finite values, NaN/Inf counts) are taken per block while
@@ -35,7 +36,10 @@
 #include <immintrin.h>
 #endif
 
-static uint32_t W_LO[2][BLOCK] __attribute__((aligned(64))), W_HI[2][BLOCK] __attribute__((aligned(64)));
+/* WL_ODD is WL with each pair of entries swapped: pmuldq reads the low half of each 64-bit lane, so the odd
+   lanes' weights must sit there. */
+static int32_t WL[2][BLOCK] __attribute__((aligned(64))), WL_ODD[2][BLOCK] __attribute__((aligned(64)));
+static uint32_t WH[2][BLOCK] __attribute__((aligned(64)));
 static int have_weights = 0;
 
 enum { ST_NONE = 0, ST_F32 = 1, ST_F64 = 2, ST_F16 = 3, ST_BF16 = 4 };
@@ -52,18 +56,17 @@ typedef struct {
     int64_t finite, nan, inf;
 } state_t;
 
-/* One block of 32-bit lanes, plain C: the reference form of the kernels below and the path of non-x86
-   machines (compilers vectorize it there). */
+/* Lanes j..n-1 of a block of 32-bit lanes, plain C: the reference form of the vector kernels, their tail,
+   and the whole block on machines without them (compilers vectorize it there). */
 static INLINE void block_sums32_tail(const uint8_t *p, size_t j, size_t n, uint64_t *r0, uint64_t *r1, uint32_t *c0,
                                      uint32_t *c1) {
     for (; j < n; j++) {
-        uint32_t xu;
-        memcpy(&xu, p + 4 * j, 4);
-        uint32_t m = 0u - (xu >> 31);
-        *r0 += (uint64_t)xu * W_LO[0][j];
-        *r1 += (uint64_t)xu * W_LO[1][j];
-        *c0 += xu * W_HI[0][j] - (m & W_LO[0][j]);
-        *c1 += xu * W_HI[1][j] - (m & W_LO[1][j]);
+        int32_t x;
+        memcpy(&x, p + 4 * j, 4);
+        *r0 += (uint64_t)((int64_t)x * WL[0][j]);
+        *r1 += (uint64_t)((int64_t)x * WL[1][j]);
+        *c0 += (uint32_t)x * WH[0][j];
+        *c1 += (uint32_t)x * WH[1][j];
     }
 }
 
@@ -74,44 +77,6 @@ static INLINE void block_sums32_generic(const uint8_t *p, size_t n, uint64_t *s0
     *s0 = r0 + ((uint64_t)c0 << 32);
     *s1 = r1 + ((uint64_t)c1 << 32);
 }
-
-#ifdef DIVTRACE_X86
-/* x86: pmuludq multiplies the low 32 bits of each 64-bit lane, so the even lanes' products come straight from
-   the loaded vectors and the odd lanes' after a 32-bit shift; the high halves are plain 32-bit products. */
-__attribute__((target("avx2"))) static INLINE void block_sums32_avx2(const uint8_t *p, size_t n, uint64_t *s0,
-                                                                    uint64_t *s1) {
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0;
-    size_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(p + 4 * j));
-        __m256i l0 = _mm256_load_si256((const __m256i *)&W_LO[0][j]);
-        __m256i l1 = _mm256_load_si256((const __m256i *)&W_LO[1][j]);
-        __m256i h0 = _mm256_load_si256((const __m256i *)&W_HI[0][j]);
-        __m256i h1 = _mm256_load_si256((const __m256i *)&W_HI[1][j]);
-        __m256i xo = _mm256_srli_epi64(x, 32), m = _mm256_srai_epi32(x, 31);
-        a0 = _mm256_add_epi64(a0, _mm256_add_epi64(_mm256_mul_epu32(x, l0),
-                                                   _mm256_mul_epu32(xo, _mm256_srli_epi64(l0, 32))));
-        a1 = _mm256_add_epi64(a1, _mm256_add_epi64(_mm256_mul_epu32(x, l1),
-                                                   _mm256_mul_epu32(xo, _mm256_srli_epi64(l1, 32))));
-        b0 = _mm256_add_epi32(b0, _mm256_sub_epi32(_mm256_mullo_epi32(x, h0), _mm256_and_si256(m, l0)));
-        b1 = _mm256_add_epi32(b1, _mm256_sub_epi32(_mm256_mullo_epi32(x, h1), _mm256_and_si256(m, l1)));
-    }
-    uint64_t ra[4], rb[4];
-    uint32_t ca[8], cb[8];
-    _mm256_storeu_si256((__m256i *)ra, a0);
-    _mm256_storeu_si256((__m256i *)rb, a1);
-    _mm256_storeu_si256((__m256i *)ca, b0);
-    _mm256_storeu_si256((__m256i *)cb, b1);
-    uint64_t r0 = ra[0] + ra[1] + ra[2] + ra[3], r1 = rb[0] + rb[1] + rb[2] + rb[3];
-    uint32_t c0 = 0, c1 = 0;
-    for (int k = 0; k < 8; k++)
-        c0 += ca[k], c1 += cb[k];
-    block_sums32_tail(p, j, n, &r0, &r1, &c0, &c1);
-    *s0 = r0 + ((uint64_t)c0 << 32);
-    *s1 = r1 + ((uint64_t)c1 << 32);
-}
-
-#endif
 
 static INLINE void block_sums_narrow(const uint8_t *p, size_t n, int lane, uint64_t *s0, uint64_t *s1) {
     uint64_t a0 = 0, a1 = 0;
@@ -125,11 +90,10 @@ static INLINE void block_sums_narrow(const uint8_t *p, size_t n, int lane, uint6
         } else {
             x = (int8_t)p[j];
         }
-        uint32_t xu = (uint32_t)x, m = 0u - (xu >> 31);
-        a0 += (uint64_t)xu * W_LO[0][j];
-        a1 += (uint64_t)xu * W_LO[1][j];
-        b0 += xu * W_HI[0][j] - (m & W_LO[0][j]);
-        b1 += xu * W_HI[1][j] - (m & W_LO[1][j]);
+        a0 += (uint64_t)((int64_t)x * WL[0][j]);
+        a1 += (uint64_t)((int64_t)x * WL[1][j]);
+        b0 += (uint32_t)x * WH[0][j];
+        b1 += (uint32_t)x * WH[1][j];
     }
     *s0 = a0 + ((uint64_t)b0 << 32);
     *s1 = a1 + ((uint64_t)b1 << 32);
@@ -362,18 +326,15 @@ __attribute__((target("avx2,f16c"))) static INLINE void block4_avx2_kind(state_t
     const __m256i high16 = _mm256_set1_epi32((int)0xffff0000u);
     size_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(p + 4 * j));
-        __m256i l0 = _mm256_load_si256((const __m256i *)&W_LO[0][j]);
-        __m256i l1 = _mm256_load_si256((const __m256i *)&W_LO[1][j]);
-        __m256i h0 = _mm256_load_si256((const __m256i *)&W_HI[0][j]);
-        __m256i h1 = _mm256_load_si256((const __m256i *)&W_HI[1][j]);
-        __m256i xo = _mm256_srli_epi64(x, 32), m = _mm256_srai_epi32(x, 31);
-        a0 = _mm256_add_epi64(a0, _mm256_add_epi64(_mm256_mul_epu32(x, l0),
-                                                   _mm256_mul_epu32(xo, _mm256_srli_epi64(l0, 32))));
-        a1 = _mm256_add_epi64(a1, _mm256_add_epi64(_mm256_mul_epu32(x, l1),
-                                                   _mm256_mul_epu32(xo, _mm256_srli_epi64(l1, 32))));
-        b0 = _mm256_add_epi32(b0, _mm256_sub_epi32(_mm256_mullo_epi32(x, h0), _mm256_and_si256(m, l0)));
-        b1 = _mm256_add_epi32(b1, _mm256_sub_epi32(_mm256_mullo_epi32(x, h1), _mm256_and_si256(m, l1)));
+        __m256i x = _mm256_loadu_si256((const __m256i *)(p + 4 * j)), xo = _mm256_srli_epi64(x, 32);
+        a0 = _mm256_add_epi64(a0, _mm256_add_epi64(
+                                      _mm256_mul_epi32(x, _mm256_load_si256((const __m256i *)&WL[0][j])),
+                                      _mm256_mul_epi32(xo, _mm256_load_si256((const __m256i *)&WL_ODD[0][j]))));
+        a1 = _mm256_add_epi64(a1, _mm256_add_epi64(
+                                      _mm256_mul_epi32(x, _mm256_load_si256((const __m256i *)&WL[1][j])),
+                                      _mm256_mul_epi32(xo, _mm256_load_si256((const __m256i *)&WL_ODD[1][j]))));
+        b0 = _mm256_add_epi32(b0, _mm256_mullo_epi32(x, _mm256_load_si256((const __m256i *)&WH[0][j])));
+        b1 = _mm256_add_epi32(b1, _mm256_mullo_epi32(x, _mm256_load_si256((const __m256i *)&WH[1][j])));
         if (kind == ST_F32) {
             __m256 f = _mm256_castsi256_ps(x);
             flo = _mm256_min_ps(f, flo), fhi = _mm256_max_ps(f, fhi), fs = _mm256_add_ps(fs, f);
@@ -600,9 +561,13 @@ static PyObject *py_set_weights(PyObject *self, PyObject *args) {
     const uint64_t *w = (const uint64_t *)(uintptr_t)ptr; /* int64 tensor (2, BLOCK), contiguous */
     for (int r = 0; r < 2; r++)
         for (int j = 0; j < BLOCK; j++) {
-            W_LO[r][j] = (uint32_t)w[r * BLOCK + j];
-            W_HI[r][j] = (uint32_t)(w[r * BLOCK + j] >> 32);
+            uint32_t lo = (uint32_t)w[r * BLOCK + j], hi = (uint32_t)(w[r * BLOCK + j] >> 32);
+            WL[r][j] = (int32_t)lo;
+            WH[r][j] = hi + (lo >> 31); /* WL = lo - 2**32 when lo's top bit is set: carry it into WH */
         }
+    for (int r = 0; r < 2; r++)
+        for (int j = 0; j < BLOCK; j++)
+            WL_ODD[r][j] = WL[r][j ^ 1];
     have_weights = 1;
     Py_RETURN_NONE;
 }

@@ -247,15 +247,15 @@ def test_disk_full_during_recording(tmp_path, monkeypatch, where):
         import divtrace.trace.writer as w
 
         calls = {"n": 0}
-        real = w.atomic_write_bytes
+        real = w.write_shard
 
-        def atomic(path, data):
+        def shard(path, tensors):
             calls["n"] += 1
-            if calls["n"] > 2:
+            if calls["n"] > 1:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            return real(path, data)
+            return real(path, tensors)
 
-        monkeypatch.setattr(w, "atomic_write_bytes", atomic)
+        monkeypatch.setattr(w, "write_shard", shard)
     else:
         _fail_writes(monkeypatch, "records.jsonl", after=2, partial=where == "records_partial")
     m = Tiny()

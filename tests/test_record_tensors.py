@@ -378,3 +378,29 @@ def test_as_strided_is_fingerprinted_by_its_bytes(tmp_path):
     assert hashes[0] != hashes[1]
     r = divtrace.bisect(tmp_path / "a", tmp_path / "b")
     assert r.verdict == "diverged" and r.first.module == ""
+
+
+def test_shards_are_plain_safetensors_with_their_recorded_sha256(tmp_path):
+    # The writer streams shards itself (safetensors.save built each whole file in memory first): the files must
+    # stay what any safetensors reader loads, and their recorded sha256 must be the file's.
+    import hashlib
+    import json as _json
+
+    from safetensors.torch import load_file
+
+    from divtrace.trace.writer import write_shard
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"f32": torch.randn(7, generator=g), "bf16": torch.randn(5, generator=g).bfloat16(),
+               "i64": torch.arange(3), "bool": torch.tensor([True, False, True]), "empty": torch.zeros(0),
+               "c128": torch.randn(2, generator=g, dtype=torch.float64).to(torch.complex128),
+               "fp8": torch.randn(9, generator=g).to(torch.float8_e4m3fn)}
+    digest, size = write_shard(tmp_path / "s.safetensors", tensors)
+    raw = (tmp_path / "s.safetensors").read_bytes()
+    assert digest == hashlib.sha256(raw).hexdigest() and size == len(raw)
+    n = int.from_bytes(raw[:8], "little")
+    assert n % 8 == 0 and _json.loads(raw[8:8 + n])["c128"]["dtype"] == "U8"  # no safetensors dtype: raw bytes
+    back = load_file(tmp_path / "s.safetensors")
+    for k, t in tensors.items():
+        got = back[k].view(t.dtype) if k == "c128" else back[k]
+        assert got.dtype == t.dtype and same_bits(got, t), k

@@ -14,14 +14,26 @@ SHARD_PATTERN = "tensors-{:05d}.safetensors"
 SHARD_GLOB = "tensors-*.safetensors"
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write `path` whole or not at all (a temp file renamed over it). `durable` also fsyncs it first, so the
+    new contents survive an OS crash, not only a process crash."""
+    atomic_write_with(path, lambda f: f.write(data), durable)
+
+
+def atomic_write_json(path: Path, obj, durable: bool = True) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True, allow_nan=False) + "\n").encode(), durable)
+
+
+def atomic_write_with(path: Path, fill, durable: bool) -> None:
+    """Like atomic_write_bytes, with `fill(f)` writing the contents to the open temp file."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.fchmod(fd, 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            fill(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -31,8 +43,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True, allow_nan=False) + "\n").encode())
 
 
 def sha256_file(path: Path) -> str:

@@ -17,25 +17,58 @@ import errno
 import hashlib
 import json
 import os
+import struct
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save as st_save
 
 from divtrace.errors import DivtraceError
 from divtrace.fingerprint import HASH_SCHEME, IMPLEMENTATION, dtype_name, fingerprint, flat_bytes
 from divtrace.records import FORMAT_VERSION, TensorValue, json_safe, record_compact
-from divtrace.trace.files import (CHECKSUMS, META, RECORDS, SHARD_GLOB, SHARD_PATTERN, atomic_write_bytes,
-                                  atomic_write_json, sha256_file)
+from divtrace.trace.files import (CHECKSUMS, META, RECORDS, SHARD_GLOB, SHARD_PATTERN, atomic_write_json,
+                                  atomic_write_with)
 
-# dtypes safetensors stores natively; any other (complex128, complex32, float8_e8m0fnu, ...) is stored as its
-# raw bytes (uint8) and viewed back by the reader.
-_ST_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-              torch.int8, torch.uint8, torch.bool, torch.complex64, torch.uint16, torch.uint32, torch.uint64}
-for _n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
-    if hasattr(torch, _n):
-        _ST_DTYPES.add(getattr(torch, _n))
+# safetensors' names of the dtypes it stores (from the installed safetensors where it says, so a newer one's
+# additions are used); any other dtype is stored as its raw bytes (U8) and viewed back by the reader.
+try:
+    from safetensors.torch import _TYPES as _ST_TYPES
+except ImportError:  # pragma: no cover - every safetensors divtrace supports has it
+    _ST_TYPES = {}
+ST_NAMES = {dt: name for name, dt in _ST_TYPES.items()} or {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_shard(path: Path, tensors: dict) -> tuple[str, int]:
+    """Write flat contiguous CPU tensors as one safetensors file, atomically; returns (sha256, size).
+
+    The file is the format's 8-byte header length, JSON header (padded to 8 bytes) and the tensors' bytes
+    back to back, streamed straight from the tensors: `safetensors.torch.save` first builds the whole file in
+    memory, a copy that cost as much as the write itself."""
+    header, parts, offset = {}, [], 0
+    for key, t in tensors.items():
+        name = ST_NAMES.get(t.dtype)
+        if name is None:
+            t, name = t.reshape(-1).view(torch.uint8), "U8"
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": name, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        parts.append(t)
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    head = struct.pack("<Q", len(head)) + head
+    digest = hashlib.sha256(head)
+
+    def fill(f):
+        f.write(head)
+        for t in parts:
+            data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            digest.update(data)
+            f.write(data)
+
+    atomic_write_with(path, fill, durable=False)  # its sha256 is recorded: a shard an OS crash cut short is caught
+    return digest.hexdigest(), len(head) + offset
 
 
 _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))  # json.dumps builds one per call
@@ -105,7 +138,8 @@ class TraceWriter:
         self.failed: str | None = None  # set when a write failed; nothing more is written after that
         self._closed = False
         try:
-            atomic_write_json(self.path / META, json_safe(self.meta))
+            # status "running": an OS crash loses the run anyway, so no fsync; close() writes the durable one
+            atomic_write_json(self.path / META, json_safe(self.meta), durable=False)
             self._records_fd = os.open(self.path / RECORDS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             self._sums_fd = os.open(self.path / CHECKSUMS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as e:
@@ -178,14 +212,11 @@ class TraceWriter:
         sums = []
         if self._pending_tensors:
             shard = SHARD_PATTERN.format(len(self._shards))
-            data = st_save({k: t if t.dtype in _ST_DTYPES else t.view(torch.uint8)
-                            for k, t in self._pending_tensors.items()})
-            atomic_write_bytes(self.path / shard, data)
-            digest = hashlib.sha256(data).hexdigest()
-            self.bytes_written += len(data)
+            digest, size = write_shard(self.path / shard, self._pending_tensors)
+            self.bytes_written += size
             self._shards.append(shard)
             self._shard_sums[shard] = digest
-            sums.append({"shard": shard, "sha256": digest, "bytes": len(data)})
+            sums.append({"shard": shard, "sha256": digest, "bytes": size})
             for key in self._pending_tensors:
                 self._blobs[key] = shard
             self._pending_tensors = {}
