@@ -97,7 +97,10 @@ _LANE_DTYPES = ((4, torch.int32), (2, torch.int16), (1, torch.int8))
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """`t` in logical order as a 1-D tensor with stride 1 (a view when `t` is contiguous, else a copy)."""
-    flat = t.detach().contiguous().reshape(-1)
+    t = t.detach()
+    if t.is_conj() or t.is_neg():  # a lazy conjugate/negation: the values are the resolved ones
+        t = t.resolve_conj().resolve_neg()
+    flat = t.contiguous().reshape(-1)
     if flat.numel() <= 1 and flat.stride() != (1,):
         # A one-element tensor counts as contiguous whatever its stride, which byte views refuse.
         flat = flat.as_strided((flat.numel(),), (1,))

@@ -404,3 +404,25 @@ def test_shards_are_plain_safetensors_with_their_recorded_sha256(tmp_path):
     for k, t in tensors.items():
         got = back[k].view(t.dtype) if k == "c128" else back[k]
         assert got.dtype == t.dtype and same_bits(got, t), k
+
+
+class _Conj(nn.Module):
+    def forward(self, z):
+        return z.conj(), torch.conj_physical(z), z.conj().imag  # a lazy conjugate, a real one, a lazy negation
+
+
+@pytest.mark.parametrize("mode", ["hash", "full"])
+def test_lazy_conjugate_and_negative_views_record_their_values(tmp_path, mode):
+    # Views with the conjugate (or negative) bit set used to raise inside the recorder (view_as_real refuses
+    # them): the user's forward failed. Their fingerprint is that of the values they stand for.
+    z = torch.randn(3, 4, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    m = _Conj()
+    with torch.no_grad(), divtrace.record(m, tmp_path / "t", mode=mode):
+        lazy, real, imag = m(z)
+    assert lazy.is_conj() and imag.is_neg()
+    t = Trace(tmp_path / "t")
+    outs = dict(t.calls[0].outputs)
+    assert t.values[outs["out.0"]].hash == t.values[outs["out.1"]].hash == tensor_hash(real)
+    assert t.values[outs["out.2"]].hash == tensor_hash(-z.imag)
+    if mode == "full":
+        assert same_bits(t.tensor(outs["out.0"]), real) and same_bits(t.tensor(outs["out.2"]), -z.imag)
