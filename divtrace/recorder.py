@@ -615,6 +615,11 @@ class Recorder:
                     self._writes[key] = self._writes.get(key, 0) + 1
 
     def _encode(self, x, values, vids, local):
+        tx = type(x)
+        if tx is int or tx is bool or x is None or tx is str:  # most arguments: what encode_constant returns as is
+            return x
+        if tx is list and all(type(y) is int for y in x):  # sizes, dims
+            return list(x)
         if isinstance(x, torch.Tensor):
             vid = self._vid_of(local.get(id(x), x), values)
             vids.append(vid)
@@ -652,11 +657,18 @@ def encode_constant(x, recurse):
     return {"$repr": repr(x)[:200], "$type": type(x).__name__}
 
 
+_OP_NAMES: dict = {}
+
+
 def _op_name(func) -> str:
-    try:
-        return f"{func.namespace}.{func._opname}.{func._overloadname}"
-    except AttributeError:
-        return str(func)
+    name = _OP_NAMES.get(func)
+    if name is None:
+        try:
+            name = f"{func.namespace}.{func._opname}.{func._overloadname}"
+        except AttributeError:
+            name = str(func)
+        _OP_NAMES[func] = name
+    return name
 
 
 class _OpMode(TorchDispatchMode):
