@@ -96,7 +96,7 @@ def bisect(
     """
     from divtrace.compare.align import PathMap
     from divtrace.compare.bisect import bisect as run_bisect
-    from divtrace.compare.metrics import Tolerance
+    from divtrace.compare.diffs import Tolerance
 
     o = Output(json_out)
     tol = Tolerance(atol=atol, rtol=rtol, ulp=ulp)

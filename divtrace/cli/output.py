@@ -4,9 +4,6 @@ from __future__ import annotations
 import json
 import sys
 
-from rich.console import Console
-from rich.table import Table
-
 from divtrace.records import json_safe
 
 
@@ -19,8 +16,24 @@ def _json_default(x):
 class Output:
     def __init__(self, json_mode: bool = False):
         self.json_mode = json_mode
-        self.console = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
-        self.err = Console(stderr=True, highlight=False)
+        self._console = self._err = None
+
+    # rich is imported on first use: a --json run that has nothing to warn about never needs it
+    @property
+    def console(self):
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
+        return self._console
+
+    @property
+    def err(self):
+        if self._err is None:
+            from rich.console import Console
+
+            self._err = Console(stderr=True, highlight=False)
+        return self._err
 
     def json(self, obj) -> None:
         sys.stdout.write(json.dumps(json_safe(obj), indent=2, default=_json_default, allow_nan=False) + "\n")
@@ -48,6 +61,8 @@ class Output:
     def table(self, title: str | None, columns: list[str], rows: list[list]) -> None:
         if self.json_mode:
             return
+        from rich.table import Table
+
         t = Table(title=title, title_justify="left", show_lines=False)
         for c in columns:
             t.add_column(c, overflow="fold")

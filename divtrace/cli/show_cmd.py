@@ -12,7 +12,7 @@ from divtrace.cli.output import Output
 
 def trace_summary(t) -> dict:
     calls = Counter(c.module for c in t.calls.values())
-    ops = Counter(r.op for r in t.records if r.kind == "op")
+    ops = Counter(op for op in t.rop if op is not None)  # the compact index: no record objects built
     files = {p.name: p.stat().st_size for p in t.path.iterdir() if p.is_file() and not p.name.startswith(".")}
     meta = {k: v for k, v in t.meta.items() if k not in ("module_tree",)}
     return {"path": str(t.path), "meta": meta, "complete": t.complete, "status": getattr(t, "status", None),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from divtrace.compare.metrics import TensorDiff, Tolerance, compare_tensors
+from divtrace.compare.diffs import TensorDiff, Tolerance
 from divtrace.errors import DivtraceError
 from divtrace.records import ModuleCall
 from divtrace.trace.reader import Trace
@@ -75,9 +75,17 @@ class Pairing:
         return {"a": len(self.by_key_a) - len(self.common), "b": len(self.by_key_b) - len(self.common)}
 
 
+_NONE = object()
+
+
 class ValueComparator:
     """Decides whether a value of A equals a value of B. Bitwise (fingerprints: dtype, shape, 128-bit hash of
-    the raw bytes) unless a tolerance is asked for; tolerances need the bytes, so they load lazily."""
+    the raw bytes, from each trace's compact index `vkey`) unless a tolerance is asked for; tolerances need the
+    bytes, so they load lazily (and import torch).
+
+    `compared` counts the distinct (va, vb) pairs judged, `bitwise_differs` those that differ bitwise. Bitwise
+    judgements are not memoized (comparing two keys is as cheap as looking one up); the pairs seen are kept
+    as va -> vb, so counting allocates nothing per pair."""
 
     def __init__(self, a: Trace, b: Trace, tol: Tolerance | None = None):
         self.a, self.b = a, b
@@ -85,34 +93,83 @@ class ValueComparator:
         self.compared = 0
         self.bitwise_differs = 0
         self._diffs: dict[tuple[int, int], TensorDiff | None] = {}
-        self._same: dict[tuple[int, int], bool] = {}
+        self._same: dict[tuple[int, int], bool] = {}  # with a tolerance: every judgement
+        self._seen: dict[int, int] = {}  # bitwise: va -> the first vb it was compared with
+        self._seen_more: set[tuple[int, int]] = set()  # bitwise: pairs whose va was seen with another vb
+        self._ka, self._kb = a.vkey, b.vkey
 
     @property
     def values_available(self) -> bool:
         return self.a.mode == "full" and self.b.mode == "full"
 
     def same(self, va: int, vb: int) -> bool:
+        if self.tol is None:
+            equal = self._ka[va] == self._kb[vb]  # (dtype, shape, hash) of each
+            if self._new_pair(va, vb):
+                self.compared += 1
+                self.bitwise_differs += not equal
+            return equal
         key = (va, vb)
         hit = self._same.get(key)
-        if hit is not None:
-            return hit
+        return hit if hit is not None else self._judge(key)
+
+    def _new_pair(self, va: int, vb: int) -> bool:
+        """Bitwise mode: note the pair (va, vb) as compared; whether it was not before."""
+        prev = self._seen.get(va, _NONE)
+        if prev is _NONE:
+            self._seen[va] = vb
+            return True
+        if prev == vb or (va, vb) in self._seen_more:
+            return False
+        self._seen_more.add((va, vb))
+        return True
+
+    def _judge(self, key: tuple[int, int]) -> bool:
+        """With a tolerance: compare a pair not seen before (each distinct pair counts once in `compared`)."""
+        va, vb = key
         self.compared += 1
-        x, y = self.a.values[va], self.b.values[vb]
-        bitwise = x.hash == y.hash and x.dtype == y.dtype and x.shape == y.shape
+        bitwise = self._ka[va] == self._kb[vb]
         result = bitwise
         if not bitwise:
             self.bitwise_differs += 1
-            if self.tol is not None:
-                d = self.diff(va, vb)
-                result = bool(d is not None and d.matches())
+            d = self.diff(va, vb)
+            result = bool(d is not None and d.matches())
         self._same[key] = result
         return result
+
+    def first_unequal(self, pairs) -> tuple[int, int] | None:
+        """The first (va, vb) of `pairs` (an iterable of 2-tuples) that `same` says differ, or None."""
+        if self.tol is not None:
+            return next(((va, vb) for va, vb in pairs if not self.same(va, vb)), None)
+        ka, kb, seen = self._ka, self._kb, self._seen
+        new = 0
+        try:
+            for va, vb in pairs:  # same(), inlined: this loop sees every op output of the run
+                equal = ka[va] == kb[vb]
+                prev = seen.get(va, _NONE)
+                if prev is _NONE:
+                    seen[va] = vb
+                    new += 1
+                elif prev != vb and self._new_pair(va, vb):
+                    new += 1
+                else:
+                    if not equal:
+                        return va, vb
+                    continue
+                if not equal:
+                    self.bitwise_differs += 1
+                    return va, vb
+            return None
+        finally:
+            self.compared += new
 
     def diff(self, va: int, vb: int) -> TensorDiff | None:
         """Value metrics, or None when either side holds only fingerprints."""
         key = (va, vb)
         if key not in self._diffs:
             if self.a.has_bytes(va) and self.b.has_bytes(vb):
+                from divtrace.compare.metrics import compare_tensors
+
                 self._diffs[key] = compare_tensors(self.a.tensor(va), self.b.tensor(vb), self.tol)
             else:
                 self._diffs[key] = None
@@ -129,6 +186,10 @@ class ValueComparator:
         return [(ka, va, vb) for (ka, va), (_, vb) in zip(items_a, items_b)]
 
     def first_mismatch(self, items_a, items_b):
+        """(key, va, vb) of the first paired tensors that differ, or None."""
+        if len(items_a) == 1 and len(items_b) == 1:  # the usual single tensor: pairs() gives a's key and both
+            (k, va), (_, vb) = items_a[0], items_b[0]
+            return None if self.same(va, vb) else (k, va, vb)
         for k, va, vb in self.pairs(items_a, items_b):
             if not self.same(va, vb):
                 return k, va, vb

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections import namedtuple
 from dataclasses import dataclass, field
+from itertools import chain
+from math import prod
 
 from divtrace.compare.align import Pairing, PathMap, ValueComparator
-from divtrace.compare.metrics import TensorDiff, Tolerance
+from divtrace.compare.diffs import TensorDiff, Tolerance
 from divtrace.errors import DivtraceError
 from divtrace.records import ModuleCall, OpRecord
-from divtrace.settings import settings_diff
-from divtrace.trace.reader import Trace
+from divtrace.trace.reader import Trace, itemsize
 
 # Ops that only move, alias or select values: never where two computations part, though they can sit in a region.
 VALUE_PRESERVING = {
@@ -31,13 +33,28 @@ VALUE_PRESERVING = {
 }
 
 
+_FInfo = namedtuple("_FInfo", "bits eps max tiny")  # the torch.finfo fields cast_rounds reads
+
+# torch.finfo of the floating dtypes, written out so that telling casts apart needs no torch (a hash-trace
+# bisect never imports it); tests/test_bisect_scale.py checks every entry against torch.finfo.
+_FINFO = {
+    "torch.float64": _FInfo(64, 2.220446049250313e-16, 1.7976931348623157e+308, 2.2250738585072014e-308),
+    "torch.float32": _FInfo(32, 1.1920928955078125e-07, 3.4028234663852886e+38, 1.1754943508222875e-38),
+    "torch.float16": _FInfo(16, 0.0009765625, 65504.0, 6.103515625e-05),
+    "torch.bfloat16": _FInfo(16, 0.0078125, 3.3895313892515355e+38, 1.1754943508222875e-38),
+    "torch.float8_e4m3fn": _FInfo(8, 0.125, 448.0, 0.015625),
+    "torch.float8_e5m2": _FInfo(8, 0.25, 57344.0, 6.103515625e-05),
+    "torch.float8_e4m3fnuz": _FInfo(8, 0.125, 240.0, 0.0078125),
+    "torch.float8_e5m2fnuz": _FInfo(8, 0.125, 57344.0, 3.0517578125e-05),
+    "torch.float8_e8m0fnu": _FInfo(8, 1.0, 1.7014118346046923e+38, 5.877471754111438e-39),
+}
+# Floating dtypes torch.finfo does not describe (packed fp4): any cast to or from them may round.
+_FLOAT_WITHOUT_FINFO = {"torch.float4_e2m1fn_x2"}
+
+
 def _finfo(name: str):
-    import torch
-
-    from divtrace.trace.reader import torch_dtype
-
-    d = torch_dtype(name)
-    return torch.finfo(d) if d.is_floating_point else None
+    itemsize(name)  # DivtraceError for a name that is not a dtype of this torch
+    return _FINFO.get(name)
 
 
 def cast_rounds(dtype_in: str, dtype_out: str) -> bool:
@@ -46,6 +63,8 @@ def cast_rounds(dtype_in: str, dtype_out: str) -> bool:
     if dtype_in == dtype_out:
         return False
     fi, fo = _finfo(dtype_in), _finfo(dtype_out)
+    if dtype_in in _FLOAT_WITHOUT_FINFO or dtype_out in _FLOAT_WITHOUT_FINFO:
+        return True  # no precision to compare: say it may round (a computing op), never that it cannot
     if fo is None:
         return fi is not None or dtype_out != "torch.bool"
     if fi is None:
@@ -55,16 +74,32 @@ def cast_rounds(dtype_in: str, dtype_out: str) -> bool:
 
 def is_computing(rec: OpRecord, trace: Trace) -> bool:
     """False for ops that only rearrange values, and for casts that cannot round."""
-    parts = rec.op.split(".")
-    name = parts[1] if len(parts) >= 2 else rec.op
+    return _computing(rec.op, rec.inputs, rec.outputs, trace)
+
+
+def _computing(op: str, inputs: list, outputs: list, trace: Trace) -> bool:
+    parts = op.split(".")
+    name = parts[1] if len(parts) >= 2 else op
     if name not in VALUE_PRESERVING:
         return True
     if name in ("_to_copy", "copy_", "copy"):
-        dts_in = [trace.values[v].dtype for v in rec.inputs]
-        dts_out = [trace.values[v].dtype for v in rec.outputs]
+        key = trace.vkey  # (dtype, shape, hash) per vid
+        dts_in = [key[v][0] for v in inputs]
+        dts_out = [key[v][0] for v in outputs]
         src = dts_in[-1] if name == "copy_" and len(dts_in) > 1 else (dts_in[0] if dts_in else None)
         return src is not None and any(cast_rounds(src, d) for d in dts_out)
     return False
+
+
+def _hashable(key: tuple) -> tuple:
+    """A vkey (dtype, shape list, hash) as a set member."""
+    return key[0], tuple(key[1]), key[2]
+
+
+def _settings_diff(a: dict, b: dict) -> list[dict]:
+    """divtrace.settings.settings_diff, which cannot be imported without torch: the settings whose values
+    differ, as [{"name", "a", "b"}] (tests/test_bisect_scale.py checks the two agree)."""
+    return [{"name": k, "a": a.get(k), "b": b.get(k)} for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 def constant_derived(trace: Trace, index: int, memo: dict, scope: set | None = None) -> bool:
@@ -73,14 +108,15 @@ def constant_derived(trace: Trace, index: int, memo: dict, scope: set | None = N
     indices of one call's own code) a value from outside it counts as data, which keeps the walk inside the
     call; without, it is iterative anyway: a chain of producers can be as long as the run."""
     stack = [index]
+    rin, vprod = trace.rin, trace.vprod  # op inputs per record; vid -> producer (produced values only)
     while stack:
         i = stack[-1]
         if i in memo:
             stack.pop()
             continue
         result, pending = True, []
-        for vid in trace.records[i].inputs:
-            p = trace.values[vid].producer
+        for vid in rin[i]:
+            p = vprod.get(vid)
             if p is None or memo.get(p) is False or (scope is not None and p not in scope):
                 result = False
                 break
@@ -164,11 +200,16 @@ class BisectResult:
                 "warnings": self.warnings, "hint": self.hint}
 
 
+_UNSET = object()
+
+
 class _Walker:
     def __init__(self, a: Trace, b: Trace, pairing: Pairing, cmp: ValueComparator):
         self.a, self.b, self.pairing, self.cmp = a, b, pairing, cmp
         self._differs: dict[int, bool] = {}
         self._op_mismatch: dict[tuple[int, int], tuple | None] = {}
+        self._in_mismatch: dict[tuple[int, int], tuple | None] = {}
+        self._out_mismatch: dict[tuple[int, int], tuple | None] = {}
 
     # -- tree -----------------------------------------------------------------------------------------------
     def child_pairs(self, ca: ModuleCall, cb: ModuleCall):
@@ -178,102 +219,148 @@ class _Walker:
             if child_b is not None and child_b.parent == cb.call_id:
                 yield child_a, child_b
 
-    def op_pairs(self, ca: ModuleCall, cb: ModuleCall):
-        """Own ops compared position by position, only when both sides ran the same op sequence."""
-        ops_a = [self.a.records[i] for i in ca.ops]
-        ops_b = [self.b.records[i] for i in cb.ops]
-        if [r.op for r in ops_a] != [r.op for r in ops_b]:
+    def op_pairs(self, ca: ModuleCall, cb: ModuleCall) -> list[tuple[int, int]]:
+        """Own ops (record indices) compared position by position, only when both sides ran the same op
+        sequence."""
+        if not self._same_ops(ca, cb):
             return []
-        return [(ra, rb) for ra, rb in zip(ops_a, ops_b) if len(ra.outputs) == len(rb.outputs)]
+        out_a, out_b = self.a.rout, self.b.rout
+        return [(ia, ib) for ia, ib in zip(ca.ops, cb.ops) if len(out_a[ia]) == len(out_b[ib])]
+
+    def _same_ops(self, ca: ModuleCall, cb: ModuleCall) -> bool:
+        return len(ca.ops) == len(cb.ops) and \
+            list(map(self.a.rop.__getitem__, ca.ops)) == list(map(self.b.rop.__getitem__, cb.ops))
 
     def first_op_mismatch(self, ca, cb):
+        """(index in a, index in b, vid in a, vid in b) of the first differing output of the two calls' own
+        ops (when they ran the same sequence, ops whose output counts differ left out), or None."""
         key = (ca.call_id, cb.call_id)
-        if key not in self._op_mismatch:
-            self._op_mismatch[key] = next(((ra, rb, va, vb) for ra, rb in self.op_pairs(ca, cb)
-                                           for va, vb in zip(ra.outputs, rb.outputs) if not self.cmp.same(va, vb)),
-                                          None)
-        return self._op_mismatch[key]
+        hit = self._op_mismatch.get(key, _UNSET)
+        if hit is _UNSET:
+            hit = None
+            if self._same_ops(ca, cb):
+                outs_a = list(map(self.a.rout.__getitem__, ca.ops))
+                outs_b = list(map(self.b.rout.__getitem__, cb.ops))
+                if list(map(len, outs_a)) == list(map(len, outs_b)):  # the usual case: one flat pass
+                    flat = chain.from_iterable(map(zip, outs_a, outs_b))
+                else:
+                    flat = chain.from_iterable(zip(x, y) for x, y in zip(outs_a, outs_b) if len(x) == len(y))
+                m = self.cmp.first_unequal(flat)
+                if m is not None:  # the first op pair with that output pair is where it was found
+                    ia, ib = next((ia, ib) for ia, ib, x, y in zip(ca.ops, cb.ops, outs_a, outs_b)
+                                  if len(x) == len(y) and m in zip(x, y))
+                    hit = (ia, ib) + m
+            self._op_mismatch[key] = hit
+        return hit
+
+    def in_mismatch(self, ca: ModuleCall, cb: ModuleCall):
+        """cmp.first_mismatch of the two calls' inputs (cached)."""
+        key = (ca.call_id, cb.call_id)
+        hit = self._in_mismatch.get(key, _UNSET)
+        if hit is _UNSET:
+            hit = self._in_mismatch[key] = self.cmp.first_mismatch(ca.inputs, cb.inputs)
+        return hit
+
+    def out_mismatch(self, ca: ModuleCall, cb: ModuleCall):
+        """cmp.first_mismatch of the two calls' outputs (cached)."""
+        key = (ca.call_id, cb.call_id)
+        hit = self._out_mismatch.get(key, _UNSET)
+        if hit is _UNSET:
+            hit = self._out_mismatch[key] = self.cmp.first_mismatch(ca.outputs, cb.outputs)
+        return hit
 
     def differs(self, ca: ModuleCall, cb: ModuleCall) -> bool:
         hit = self._differs.get(ca.call_id)
         if hit is None:
-            hit = (self.cmp.first_mismatch(ca.inputs, cb.inputs) is not None
-                   or self.cmp.first_mismatch(ca.outputs, cb.outputs) is not None
+            hit = (self.in_mismatch(ca, cb) is not None
+                   or self.out_mismatch(ca, cb) is not None
                    or any(self.differs(x, y) for x, y in self.child_pairs(ca, cb))
                    or self.first_op_mismatch(ca, cb) is not None)
             self._differs[ca.call_id] = hit
         return hit
 
     def localize(self, ca: ModuleCall, cb: ModuleCall) -> Divergence:
-        m = self.cmp.first_mismatch(ca.inputs, cb.inputs)
+        m = self.in_mismatch(ca, cb)
         if m is not None:
             return self._divergence(ca, cb, m[1], m[2], f"input {m[0]}", "propagated")
         for child_a, child_b in self.child_pairs(ca, cb):
-            m = self.cmp.first_mismatch(child_a.inputs, child_b.inputs)
+            m = self.in_mismatch(child_a, child_b)
             if m is not None:
                 return self._own_code(ca, cb, m[1], m[2], f"input {m[0]} of {child_a.module or '<root>'}")
             if self.differs(child_a, child_b):
                 return self.localize(child_a, child_b)
-        m = self.cmp.first_mismatch(ca.outputs, cb.outputs)
+        m = self.out_mismatch(ca, cb)
         if m is not None:
             return self._own_code(ca, cb, m[1], m[2], m[0])
         om = self.first_op_mismatch(ca, cb)
         if om is not None:
-            ra, rb, va, vb = om
-            return self._own_code(ca, cb, va, vb, f"output of {ra.op} #{ra.index}")
+            ia, ib, va, vb = om
+            return self._own_code(ca, cb, va, vb, f"output of {self.a.rop[ia]} #{ia}")
         raise AssertionError("localize() called on a pair that does not differ")
 
     # -- own code -----------------------------------------------------------------------------------------
-    def _span_hashes(self, t: Trace, call: ModuleCall) -> set:
-        end = call.exit_index if call.exit_index is not None else len(t.records) - 1
+    @staticmethod
+    def _span_hashes(t: Trace, call: ModuleCall) -> set:
+        """(dtype, shape, hash) of every value the records of `call`'s span (its enter to its exit) mention."""
+        end = call.exit_index if call.exit_index is not None else len(t.rcall) - 1
         vids = {v for _, v in call.inputs}
-        for rec in t.records[call.enter_index:end + 1]:
-            if rec.kind == "op":
-                vids.update(rec.inputs)
-                vids.update(rec.outputs)
-            else:
-                vids.update(v for _, v in (rec.inputs if rec.kind == "enter" else rec.outputs))
-        return {(t.values[v].dtype, tuple(t.values[v].shape), t.values[v].hash) for v in vids}
+        rcall, rin, rout, calls = t.rcall, t.rin, t.rout, t.calls
+        for i in range(call.enter_index, end + 1):
+            ins = rin[i]
+            if ins is not None:  # an op
+                vids.update(ins)
+                vids.update(rout[i])
+            else:  # a module call's enter or exit
+                c = calls[rcall[i]]
+                vids.update(v for _, v in (c.inputs if c.enter_index == i else c.outputs))
+        return {_hashable(t.vkey[v]) for v in vids}
 
     @staticmethod
-    def region(t: Trace, call: ModuleCall, start: int, known_other: set) -> list[int]:
-        """Op records of `call`'s own code between the values both sides share and the value `start`."""
+    def region(t: Trace, call: ModuleCall, start: int, known_other) -> list[int]:
+        """Op records of `call`'s own code between the values both sides share and the value `start`.
+        `known_other` is the other side's span hashes, or a function returning them (called only if needed)."""
         own = set(call.ops)
+        key, vprod, rin = t.vkey, t.vprod, t.rin
         region, seen, todo = set(), set(), [start]
         while todo:
             vid = todo.pop()
             if vid in seen:
                 continue
             seen.add(vid)
-            val = t.values[vid]
-            if val.producer is None or val.producer not in own:
+            producer = vprod.get(vid)
+            if producer is None or producer not in own:
                 continue
-            if vid != start and (val.dtype, tuple(val.shape), val.hash) in known_other:
-                continue
-            region.add(val.producer)
-            todo.extend(t.records[val.producer].inputs)
+            if vid != start:
+                if callable(known_other):
+                    known_other = known_other()
+                if _hashable(key[vid]) in known_other:
+                    continue
+            region.add(producer)
+            todo.extend(rin[producer])
         return sorted(region)
 
     def _own_code(self, ca, cb, va, vb, what) -> Divergence:
         d = self._divergence(ca, cb, va, vb, what, "origin")
         if not (self.a.meta.get("ops") and self.b.meta.get("ops")):
             return d
-        reg_a = self.region(self.a, ca, va, self._span_hashes(self.b, cb))
-        reg_b = self.region(self.b, cb, vb, self._span_hashes(self.a, ca))
-        d.region_a = [(i, self.a.records[i].op) for i in reg_a]
-        d.region_b = [(i, self.b.records[i].op) for i in reg_b]
+        # The other side's span hashes cover a whole call (the root's: the whole trace); built only when the
+        # walk back from the differing value meets a value it has to look up.
+        reg_a = self.region(self.a, ca, va, lambda: self._span_hashes(self.b, cb))
+        reg_b = self.region(self.b, cb, vb, lambda: self._span_hashes(self.a, ca))
+        d.region_a = [(i, self.a.rop[i]) for i in reg_a]
+        d.region_b = [(i, self.b.rop[i]) for i in reg_b]
         part_a = self._parting(self.a, reg_a, ca.ops)
         part_b = self._parting(self.b, reg_b, cb.ops)
         if part_a is None and part_b is None:
             return d
         d.kind = "op"
-        d.op = self.a.records[part_a].op if part_a is not None else None
-        d.op_b = self.b.records[part_b].op if part_b is not None else None
+        d.op = self.a.rop[part_a] if part_a is not None else None
+        d.op_b = self.b.rop[part_b] if part_b is not None else None
         d.index = part_a if part_a is not None else d.index
         d.index_b = part_b
         if [o for _, o in d.region_a] == [o for _, o in d.region_b] and part_a is not None and part_b is not None:
             # Same code on both sides: the parting op has a counterpart, so report its own difference.
-            oa, ob = self.a.records[part_a].outputs, self.b.records[part_b].outputs
+            oa, ob = self.a.rout[part_a], self.b.rout[part_b]
             if oa and ob and not self.cmp.same(oa[0], ob[0]):
                 d.tensor = f"output of {d.op}"
                 self._fill(d, oa[0], ob[0])
@@ -284,7 +371,7 @@ class _Walker:
         memo: dict = {}
         scope = set(own)
         data = [i for i in region if not constant_derived(t, i, memo, scope)]
-        return next((i for i in data if is_computing(t.records[i], t)), (data or region or [None])[0])
+        return next((i for i in data if _computing(t.rop[i], t.rin[i], t.rout[i], t)), (data or region or [None])[0])
 
     def _divergence(self, ca, cb, va, vb, what, cause) -> Divergence:
         d = Divergence(index=ca.exit_index if ca.exit_index is not None else ca.enter_index, module=ca.module,
@@ -294,15 +381,13 @@ class _Walker:
         return d
 
     def _fill(self, d: Divergence, va: int, vb: int) -> None:
-        val = self.a.values[va]
+        dtype, shape, _ = self.a.vkey[va]
         d.vid_a, d.vid_b = va, vb
-        d.dtype, d.shape, d.numel = val.dtype, val.shape, val.numel
+        d.dtype, d.shape, d.numel = dtype, list(shape), prod(shape)
         d.diff = self.cmp.diff(va, vb)
 
 
 def _final(a: Trace, b: Trace, pairing: Pairing, cmp: ValueComparator) -> dict | None:
-    from divtrace.compare.final import logprob_mismatch
-
     roots = [c for c in a.calls.values() if c.module == "" and c.exit_index is not None]
     if not roots:
         return None
@@ -311,15 +396,18 @@ def _final(a: Trace, b: Trace, pairing: Pairing, cmp: ValueComparator) -> dict |
     if rb is None:
         return None
     pairs = cmp.pairs(ra.outputs, rb.outputs)
-    cands = [(k, va, vb) for k, va, vb in pairs if a.values[va].dtype.startswith("torch.float")
-             or a.values[va].dtype.startswith("torch.bfloat")]
-    cands = [p for p in cands if len(a.values[p[1]].shape) >= 2 and a.values[p[1]].shape[-1] > 1]
+    ka, kb = a.vkey, b.vkey  # (dtype, shape, hash)
+    cands = [(k, va, vb) for k, va, vb in pairs if ka[va][0].startswith("torch.float")
+             or ka[va][0].startswith("torch.bfloat")]
+    cands = [p for p in cands if len(ka[p[1]][1]) >= 2 and ka[p[1]][1][-1] > 1]
     if not cands:
         return None
     pref = [p for p in cands if re.search(r"logit|logprob|log_prob", p[0])]
     key, va, vb = (pref or cands)[0]
-    out = {"tensor": key, "identical": a.values[va].same_bits(b.values[vb])}
+    out = {"tensor": key, "identical": ka[va] == kb[vb]}
     if cmp.values_available:
+        from divtrace.compare.final import logprob_mismatch  # imports torch: only where there are values
+
         out.update(logprob_mismatch(a.tensor(va), b.tensor(vb), a.label, b.label))
     else:
         out.update({"max_abs_logprob_diff": None, "kl": None, "argmax_agreement": None})
@@ -375,6 +463,8 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
                 + (f", {t.meta['error']}" if t.meta.get("error") else "") + "): only what ran before it stopped is compared"
                 for t in (ta, tb) if not t.complete]
     warnings += [w for t in (ta, tb) for w in getattr(t, "warnings", [])]
+    aligned = [(ca, cb) for ca in sorted(ta.calls.values(), key=lambda c: c.enter_index)
+               if (cb := pairing.partner(ca)) is not None]
     first = None
     for ra, rb in _top_pairs(ta, pairing):
         if walker.differs(ra, rb):
@@ -382,13 +472,10 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
             break
     # Sweep every aligned call (and same-sequence ops) so "identical" really means every compared tensor.
     diverging_calls = []
-    for ca in sorted(ta.calls.values(), key=lambda c: c.enter_index):
-        cb = pairing.partner(ca)
-        if cb is None:
-            continue
-        if cmp.first_mismatch(ca.outputs, cb.outputs) is not None:
+    for ca, cb in aligned:
+        if walker.out_mismatch(ca, cb) is not None:
             diverging_calls.append((ca, cb))
-        cmp.first_mismatch(ca.inputs, cb.inputs)
+        walker.in_mismatch(ca, cb)
         walker.first_op_mismatch(ca, cb)
     nxt = []
     for ca, cb in sorted(diverging_calls, key=lambda p: p[0].exit_index or 0):
@@ -397,8 +484,8 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
         if first is not None and ((ca.module, ca.call) == (first.module, first.call)
                                   or (ca.exit_index or 0) <= first.index):
             continue
-        m = cmp.first_mismatch(ca.outputs, cb.outputs)
-        cause = "propagated" if cmp.first_mismatch(ca.inputs, cb.inputs) is not None else "origin"
+        m = walker.out_mismatch(ca, cb)
+        cause = "propagated" if walker.in_mismatch(ca, cb) is not None else "origin"
         d = walker._divergence(ca, cb, m[1], m[2], m[0], cause)
         nxt.append(d)
     if first is None and cmp.bitwise_differs and cmp.tol is None:
@@ -422,7 +509,7 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
         raise DivtraceError(f"{ta.path} vs {tb.path}: tensors differ but no aligned module call differs; "
                             "cannot localize (please report this)")
     env_keys = ("torch_version", "device", "cuda_device_name")
-    sets = settings_diff({**ta.meta.get("settings", {}), **{k: ta.meta.get(k) for k in env_keys}},
+    sets = _settings_diff({**ta.meta.get("settings", {}), **{k: ta.meta.get(k) for k in env_keys}},
                          {**tb.meta.get("settings", {}), **{k: tb.meta.get(k) for k in env_keys}})
     return BisectResult(
         verdict=verdict, compared=cmp.compared, first=first, next=nxt, settings=sets,

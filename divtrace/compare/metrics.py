@@ -4,10 +4,11 @@ The bitwise verdict is the source of truth; every numeric metric here is only
 a description of *how* two tensors differ once we already know they do.
 """
 import math
-from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
+
+from divtrace.compare.diffs import TensorDiff, Tolerance  # defined without torch; re-exported here
 
 FLOAT_DTYPES = tuple(
     getattr(torch, name)
@@ -77,48 +78,6 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     b = _same_device(a, b)
     dist = _ulp_from_bits(raw_bits(a), raw_bits(b), a.element_size() * 8)
     return dist.masked_fill_(a.isnan() | b.isnan(), -1)
-
-
-@dataclass
-class Tolerance:
-    atol: Optional[float] = None
-    rtol: Optional[float] = None
-    ulp: Optional[int] = None
-
-    def active(self) -> bool:
-        return self.atol is not None or self.rtol is not None or self.ulp is not None
-
-
-@dataclass
-class TensorDiff:
-    equal: bool
-    dtype_a: str
-    dtype_b: str
-    shape_a: list
-    shape_b: list
-    numel: int
-    reason: Optional[str] = None
-    mismatched: Optional[int] = None
-    max_abs: Optional[float] = None
-    max_rel: Optional[float] = None
-    max_ulp: Optional[int] = None
-    nan_mismatch: int = 0
-    first_index: Optional[list] = None
-    first_a: Optional[str] = None
-    first_b: Optional[str] = None
-    first_a_bits: Optional[str] = None
-    first_b_bits: Optional[str] = None
-    within_tolerance: Optional[bool] = None
-
-    def matches(self) -> bool:
-        return self.equal or bool(self.within_tolerance)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        for k, v in d.items():
-            if isinstance(v, float) and not math.isfinite(v):
-                d[k] = "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-        return d
 
 
 def _hex(row: torch.Tensor, itemsize: int) -> str:

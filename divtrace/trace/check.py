@@ -13,12 +13,12 @@ def check_trace(t) -> dict:
     blobs_seen = set()
     n = 0
     bad_shards = {p.split(":")[0] for p in problems}
-    for vid, v in t.values.items():
-        if v.blob is None or v.blob in blobs_seen:
+    for vid, (blob, shard) in t.vblob.items():  # every value with stored bytes, in the order defined
+        if blob in blobs_seen:
             continue
-        blobs_seen.add(v.blob)
+        blobs_seen.add(blob)
         n += 1
-        if str(t.path / v.shard) in bad_shards:
+        if str(t.path / shard) in bad_shards:
             continue  # already reported for the whole file
         try:
             t.tensor(vid)

@@ -12,32 +12,91 @@ import gc
 import hashlib
 import json
 import re
+from array import array
+from bisect import bisect_right
+from collections.abc import Mapping, Sequence
+from itertools import chain
+from math import prod
+from operator import itemgetter
 from pathlib import Path
 
-import torch
-
 from divtrace.errors import DivtraceError
-from divtrace.fingerprint import HASH_SCHEME, hasher
 from divtrace.records import FORMAT_VERSION, contiguous_stride, ModuleCall, ModuleEnter, ModuleExit, OpRecord, TensorValue
 from divtrace.trace.files import CHECKSUMS, META, RECORDS, sha256_file
 
-_DTYPES = {}
-for _name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-              "complex64", "complex128", "complex32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-              "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "uint16", "uint32", "uint64"):
-    if hasattr(torch, _name):
-        _DTYPES[f"torch.{_name}"] = getattr(torch, _name)
+# torch is imported only where tensors are really needed (loading bytes, dtype objects): reading a hash trace
+# and bisecting it needs none, and importing torch costs seconds and ~220 MB.
+
+# dtype names (as on disk, without "torch.") -> itemsize. These exist in every torch divtrace supports.
+_CORE_DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+                "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
+# These are accepted only when the running torch has them (checked once per name, which imports torch).
+_OPTIONAL_DTYPES = {"complex32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+                    "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1, "uint16": 2, "uint32": 4,
+                    "uint64": 8}
+# short name -> ("torch.<name>", itemsize), or None once a name is known not to be a dtype of this torch.
+_DTYPE_INFO: dict = {k: ("torch." + k, n) for k, n in _CORE_DTYPES.items()}
+
+# Fingerprint schemes divtrace.fingerprint accepts, known here without importing it (it imports torch);
+# tests/test_bisect_scale.py checks this against fingerprint.hasher. Any other name is asked of
+# fingerprint.hasher itself, so a scheme added there is accepted too.
+_SCHEMES_KNOWN_WITHOUT_TORCH = frozenset({"lane32-wsum128"})
 
 _HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _SHARD_NAME = re.compile(r"tensors-\d{5,}\.safetensors\Z")
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def _dtype_info(short):
+    """("torch.<short>", itemsize) when `short` names a dtype this torch has, else None."""
     try:
-        return _DTYPES[name]
-    except (KeyError, TypeError):
-        raise DivtraceError(f"unknown dtype {name!r} in trace") from None
+        return _DTYPE_INFO[short]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable: not a name
+        return None
+    if type(short) is not str or short not in _OPTIONAL_DTYPES:
+        return None
+    import torch
+
+    info = ("torch." + short, _OPTIONAL_DTYPES[short]) if isinstance(getattr(torch, short, None), torch.dtype) else None
+    _DTYPE_INFO[short] = info
+    return info
+
+
+def _dtype_full(name):
+    """("torch.<x>", itemsize) for a field-form dtype name ("torch.float32"), else None."""
+    if type(name) is not str or not name.startswith("torch."):
+        return None
+    return _dtype_info(name[6:])
+
+
+def torch_dtype(name: str):
+    """The torch.dtype for a field-form name ("torch.bfloat16"); imports torch."""
+    if _dtype_full(name) is None:
+        raise DivtraceError(f"unknown dtype {name!r} in trace")
+    import torch
+
+    return getattr(torch, name[6:])
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a field-form dtype name, without importing torch."""
+    info = _dtype_full(name)
+    if info is None:
+        raise DivtraceError(f"unknown dtype {name!r} in trace")
+    return info[1]
+
+
+def _hasher(scheme):
+    """fingerprint.hasher(scheme); imports torch."""
+    from divtrace.fingerprint import hasher
+
+    return hasher(scheme)
+
+
+def _scheme_known(scheme) -> bool:
+    return scheme in _SCHEMES_KNOWN_WITHOUT_TORCH or _hasher(scheme) is not None
 
 
 def _is_int(x) -> bool:
@@ -52,8 +111,8 @@ def _str_or_none(x) -> bool:
 _META_FIELDS = {
     "complete": lambda x: isinstance(x, bool), "status": lambda x: isinstance(x, str), "label": _str_or_none,
     "error": _str_or_none, "ops": lambda x: isinstance(x, bool), "settings": lambda x: isinstance(x, dict),
-    "module_tree": lambda x: isinstance(x, list) and all(isinstance(p, list) and len(p) == 2
-                                                         and all(isinstance(s, str) for s in p) for p in x),
+    "module_tree": lambda x: isinstance(x, list) and (not x or (set(map(type, x)) == {list} and set(map(len, x)) == {2}
+                                                                and set(map(type, chain.from_iterable(x))) == {str})),
     "warnings": lambda x: isinstance(x, list) and all(isinstance(w, str) for w in x),
     "records": _is_int, "shards": lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x),
     "entry": _str_or_none, "entry_args": lambda x: isinstance(x, dict), "model_class": _str_or_none,
@@ -71,27 +130,54 @@ def _checksums_ok(c) -> bool:
 
 
 class Trace:
-    """A trace directory opened for reading. Tensors are loaded only when asked for (`tensor(vid)`)."""
+    """A trace directory opened for reading. Tensors are loaded only when asked for (`tensor(vid)`).
+
+    `records` (a sequence of ModuleEnter/ModuleExit/OpRecord) and `values` (vid -> TensorValue) build their
+    objects from the verified bytes the first time each is asked for; `calls` are built when reading. What
+    bisect reads at scale is the compact index, filled for every record when the trace is opened:
+
+    - `vkey[vid]`: (dtype, shape, hash); two values are bitwise equal iff their keys are equal;
+    - `vprod[vid]`: for a value an op produced, that op's record index (`producer(vid)`), which is also the
+      record that defines it; `vsrc[vid]`: for any other value, the record that defines it;
+    - per record: `rcall` (its call_id); for op records `rop` (op name), `rin` (input vids) and `rout` (output
+      vids), None for module enter/exit records (which of the two: `calls[rcall[i]].enter_index == i`);
+    - `vblob[vid]`: (blob, shard) of each value with stored bytes (full mode).
+
+    Every field of every record is validated when the trace is opened, whichever reader builds this.
+    """
 
     def __init__(self, path):
         self.path = Path(path)
         self._check_dir()
         self.meta = self._read_meta()
         self._full = self.meta["mode"] == "full"
-        self._hash = hasher(self.meta["hash_scheme"])
-        self.records: list = []
-        self.values: dict[int, TensorValue] = {}
-        self.calls: dict[int, ModuleCall] = {}
         self.torn_tail = False  # bytes after the last whole, verified flush were dropped
         self.verified = True  # records.jsonl matched a recorded sha256
+        self.read_fast = False  # the fast reader built the index (see _read_fast)
         self.warnings: list[str] = []
         self._shard_sums: dict[str, str] = {}
-        self._open: set[int] = set()  # calls entered and not exited
-        self._call_keys: set[tuple[str, int]] = set()
-        self._call_counts: dict[str, int] = {}
+        self._reset()
         self._read_records()
         self._shards: dict[str, object] = {}
         self._shards_verified = False
+
+    def _reset(self) -> None:
+        self.records = _Records(self)
+        self.values = _Values(self)
+        self.calls: dict[int, ModuleCall] = {}
+        self.vkey: dict[int, tuple] = {}
+        self.vprod: dict[int, int] = {}
+        self.vsrc: dict[int, int] = {}
+        self.vblob: dict[int, tuple[str, str]] = {}
+        self.rcall: list[int] = []
+        self.rop: list = []
+        self.rin: list = []
+        self.rout: list = []
+        self._open: set[int] = set()  # calls entered and not exited
+        self._call_counts: dict[str, int] = {}
+        self._body = b""  # the verified whole lines of records.jsonl, which records and values are built from
+        self._chunks: list[tuple[int, int]] = []  # (first record, byte offset) of each chunk parsed (verified)
+        self._line_starts = None  # offset of each line in _body (unverified: parsed line by line)
 
     # loading ----------------------------------------------------------------------------------------------
     def _check_dir(self) -> None:
@@ -131,7 +217,9 @@ class Trace:
         if "hash_scheme" not in meta:
             raise DivtraceError(f"{where}: no hash_scheme: written by an early development version of divtrace "
                                 "whose fingerprints cannot be verified; record it again")
-        if hasher(meta["hash_scheme"]) is None:
+        if not _scheme_known(meta["hash_scheme"]):
+            from divtrace.fingerprint import HASH_SCHEME
+
             raise DivtraceError(f"{where}: fingerprint scheme {meta['hash_scheme']!r} is unknown to this divtrace "
                                 f"(it knows {HASH_SCHEME!r}); upgrade divtrace"[:300])
         if "checksums" in meta and not _checksums_ok(meta["checksums"]):
@@ -213,8 +301,291 @@ class Trace:
                 gc.enable()
 
     def _read_records_unpaused(self) -> None:
-        where = self.path / RECORDS
         raw = self._verified_records()
+        if not (self.FAST and self._read_fast(raw)):
+            # Something the fast reader does not vouch for: start again with the reference reader, which
+            # names the first bad line (or accepts what the fast reader was merely unsure of).
+            self._reset()
+            self.read_fast = False
+            self.records, self.values = [], {}
+            self._defined_at: dict[int, int] = {}
+            self._read_reference(raw)
+            self._index_objects()
+        want = self.meta.get("records")
+        if "checksums" in self.meta and want is not None and want != len(self.records):
+            raise DivtraceError(f"{self.path / META}: says {want} records, {RECORDS} holds {len(self.records)}")
+
+    # Two readers, one result. `_read_reference` checks and builds record by record (`_add`, `_value`,
+    # `_link`) and names the first bad line in its error. `_read_fast` makes the same checks on the whole file
+    # (some batched at the end) and fills only the compact index; records and values are built from the
+    # verified bytes when asked for. It only ever accepts what the reference accepts, and gives up (False) on
+    # anything else, malformed or merely unusual, so every error comes from the reference.
+    # tests/test_bisect_scale.py checks the two against each other on mutated traces. FAST = False reads with
+    # the reference alone.
+    FAST = True
+    _CHUNK = 1 << 15  # bytes of records.jsonl parsed at once (about 150 lines): small enough to stay in cache
+
+    def _read_fast(self, raw: bytes) -> bool:
+        cut = raw.rfind(b"\n") + 1
+        body = raw[:cut] if cut != len(raw) else raw
+        try:
+            ok = self._index_fast(self._parsed_chunks(body))
+        except Exception:  # not JSON, a missing key, an unhashable dtype...: the reference says which line
+            return False
+        if ok:
+            self._body = body
+            if cut != len(raw):
+                self.torn_tail = True  # no newline at the end (only possible without checksums): being written
+        self.read_fast = ok
+        return ok
+
+    def _parsed_chunks(self, body: bytes):
+        """The lines of `body` parsed, in order, as lists of consecutive lines; raises ValueError unless every
+        line is one JSON document. Verified bytes are parsed a chunk of lines at a time (one json.loads per
+        chunk is several times faster than one per line), unverified ones line by line."""
+        if not self.verified:
+            yield [json.loads(line) for line in body.split(b"\n")[:-1]]
+            return
+        loads, size, start, end, first, chunks = json.loads, self._CHUNK, 0, len(body), 0, []
+        while start < end:
+            stop = body.find(b"\n", min(start + size, end - 1)) + 1
+            chunks.append((first, start))
+            parsed = loads(self._chunk_text(body, start, stop))
+            if len(parsed) != body.count(b"\n", start, stop):
+                raise ValueError("not one JSON document per line")
+            yield parsed
+            first += len(parsed)
+            start = stop
+        self._chunks = chunks
+
+    @staticmethod
+    def _chunk_text(body: bytes, start: int, stop: int) -> bytes:
+        """The lines body[start:stop] (each ending in a newline) as one JSON array."""
+        return b"[" + body[start:stop - 1].replace(b"\n", b",") + b"]"
+
+    def _index_fast(self, chunks) -> bool:
+        """Validate every record as `_add` does and fill the compact index; False at anything `_add` might
+        reject. The checks mirror `_value`, `_add` and `_link`, field by field (a record or value that is not
+        a dict fails at its first lookup: a list has no .get, ["v"] of a list or string raises); the hashes,
+        shapes and strides are checked in one pass at the end."""
+        full = self._full
+        vkey, vsrc, vprod, vblob = self.vkey, self.vsrc, self.vprod, self.vblob
+        calls, open_, counts = self.calls, self._open, self._call_counts
+        rcall, rop, rin, rout = (x.append for x in (self.rcall, self.rop, self.rin, self.rout))
+        info_of = _DTYPE_INFO.get
+        shard_ok = _SHARD_NAME.match
+        module_call = ModuleCall
+        op_names: dict[str, str] = {}  # one string per op name
+        strides = []  # explicit strides, checked in one pass at the end (as hashes and shapes, from vkey)
+        no_values = ()
+        n = 0
+        for d in chain.from_iterable(chunks):
+            kind, index, call_id = d.get("k"), d["i"], d["c"]
+            if type(index) is not int or type(call_id) is not int or index != n:
+                return False
+            n += 1
+            raw_values = d.get("V", no_values)
+            produced = 0
+            if raw_values is not no_values:
+                if type(raw_values) is not list:
+                    return False
+                for vd in raw_values:
+                    vid, short, shape, h = vd["v"], vd["d"], vd["s"], vd["h"]
+                    info = info_of(short) or _dtype_info(short)
+                    if (info is None or type(vid) is not int or vid < 0 or type(shape) is not list
+                            or type(h) is not str or len(h) != 32 or vid in vkey):
+                        return False
+                    # The usual hash-mode values hold v, d, s, h and m, plus p when an op produced them: the
+                    # optional keys need not be looked up one by one then.
+                    nk = len(vd)
+                    if nk == 5 and "m" in vd:
+                        stride = producer = device = blob = shard = None
+                        m = vd["m"]
+                    elif nk == 6 and "p" in vd and "m" in vd:
+                        stride = device = blob = shard = None
+                        producer, m = vd["p"], vd["m"]
+                    else:
+                        stride, producer, device, m = vd.get("t"), vd.get("p"), vd.get("dev", "cpu"), vd.get("m")
+                        blob, shard = vd.get("b"), vd.get("f")
+                        if type(device) is not str:
+                            return False
+                    if stride is not None:
+                        if type(stride) is not list or len(stride) != len(shape):
+                            return False
+                        strides.append(stride)
+                    if producer is None:
+                        vsrc[vid] = index
+                    elif type(producer) is not int or producer != index or kind != "o":
+                        return False
+                    else:
+                        vprod[vid] = index
+                        produced += 1
+                    if m is not None:
+                        if type(m) is not list or len(m) != 5:
+                            return False
+                    elif type(vd.get("M", {})) is not dict:
+                        return False
+                    if full:
+                        if type(blob) is not str or type(shard) is not str or shard_ok(shard) is None:
+                            return False
+                        vblob[vid] = (blob, shard)
+                    elif blob is not None or shard is not None:
+                        return False
+                    vkey[vid] = (info[0], shape, h)
+            rcall(call_id)
+            if kind == "o":
+                op, args, kwargs, inputs, outputs = d["op"], d["a"], d.get("kw", {}), d["in"], d["out"]
+                if ("o" not in d or type(op) is not str or type(args) is not list or type(kwargs) is not dict
+                        or type(inputs) is not list or type(outputs) is not list or call_id not in open_):
+                    return False
+                for vid in inputs:
+                    if type(vid) is not int or vid not in vkey:
+                        return False
+                for vid in outputs:
+                    # an op's outputs are values it produced (defined here, naming it as producer)
+                    if type(vid) is not int or vprod.get(vid) != index:
+                        return False
+                # ... and every value it produced is among them: the outputs are exactly those values
+                if produced != (len(outputs) if len(outputs) < 2 else len(set(outputs))):
+                    return False
+                calls[call_id].ops.append(index)
+                rop(op_names.setdefault(op, op))
+                rin(inputs)
+                rout(outputs)
+                continue
+            if kind == "e":
+                module, call, parent, items = d["m"], d["n"], d.get("p"), d["in"]
+                if (type(module) is not str or type(call) is not int or call < 0 or type(items) is not list
+                        or call_id in calls or call != counts.get(module, 0)
+                        or (parent is not None and (type(parent) is not int or parent not in open_))):
+                    return False
+            elif kind == "x":
+                err, items = d.get("err"), d["out"]
+                if (err is not None and type(err) is not str) or type(items) is not list or call_id not in open_:
+                    return False
+            else:
+                return False
+            pairs = []
+            for p in items:
+                if type(p) is not list or len(p) != 2:
+                    return False
+                key, vid = p
+                if type(key) is not str or type(vid) is not int or vid not in vkey:
+                    return False
+                pairs.append((key, vid))
+            if kind == "e":
+                counts[module] = call + 1
+                calls[call_id] = module_call(call_id, module, call, parent, index, pairs)
+                open_.add(call_id)
+                if parent is not None:
+                    calls[parent].children.append(call_id)
+            else:
+                c = calls[call_id]
+                c.exit_index, c.outputs = index, pairs
+                open_.discard(call_id)
+            rop(None)
+            rin(None)
+            rout(None)
+        # The batched checks: every hash is 32 lowercase hex digits (the lengths were checked above), every
+        # shape entry a non-negative int, every stride entry an int.
+        if "".join(map(itemgetter(2), vkey.values())).encode("ascii").translate(None, b"0123456789abcdef"):
+            return False  # (a non-ASCII hash raises UnicodeEncodeError: also not accepted)
+        dims = list(chain.from_iterable(map(itemgetter(1), vkey.values())))
+        if dims and (set(map(type, dims)) != {int} or min(dims) < 0):
+            return False
+        return set(map(type, chain.from_iterable(strides))) <= {int}
+
+    def _index_objects(self) -> None:
+        """The compact index of records and values the reference reader built."""
+        for rec in self.records:
+            op = rec.kind == "op"
+            self.rcall.append(rec.call_id)
+            self.rop.append(rec.op if op else None)
+            self.rin.append(rec.inputs if op else None)
+            self.rout.append(rec.outputs if op else None)
+        for vid, v in self.values.items():
+            self.vkey[vid] = (v.dtype, v.shape, v.hash)
+            if v.producer is not None:
+                self.vprod[vid] = v.producer
+            else:
+                self.vsrc[vid] = self._defined_at[vid]
+            if v.blob is not None:
+                self.vblob[vid] = (v.blob, v.shard)
+
+    # building records and values from the verified bytes (fast reader) --------------------------------------
+    def _parsed_around(self, index: int) -> tuple[int, list]:
+        """(first record, parsed records) of the piece of records.jsonl holding record `index`, parsed exactly
+        as it was when validated: the same chunk of lines (verified), or the line itself (unverified). (A
+        record is not always its line alone: two half-lines of a hand edit can make one record in a chunk.)"""
+        body = self._body
+        if not self.verified:
+            starts = self._line_starts
+            if starts is None:
+                starts = self._line_starts = array("q", [0])
+                starts.extend(m.end() for m in re.finditer(b"\n", body))
+            return index, [json.loads(body[starts[index]:starts[index + 1] - 1])]
+        k = bisect_right(self._chunks, (index, len(body))) - 1
+        first, start = self._chunks[k]
+        stop = self._chunks[k + 1][1] if k + 1 < len(self._chunks) else len(body)
+        return first, json.loads(self._chunk_text(body, start, stop))
+
+    def _build_all(self) -> None:
+        """Every record and value as objects (iterating over all of them): one parse of the whole file."""
+        gc_was = gc.isenabled()
+        gc.disable()
+        try:
+            built = self.records._cache
+            for index, d in enumerate(chain.from_iterable(self._parsed_chunks(self._body))):
+                if index not in built:
+                    self._build(index, d)
+        finally:
+            if gc_was:
+                gc.enable()
+
+    def _build(self, index: int, d: dict | None = None):
+        """Record `index` and the values it defines, as objects (cached); without `d`, every record parsed
+        with it too."""
+        if d is None:
+            first, parsed = self._parsed_around(index)
+            built = self.records._cache
+            for i, d in enumerate(parsed, first):
+                if i not in built:
+                    self._build(i, d)
+            return built[index]
+        cache = self.values._cache
+        for vd in d.get("V", ()):
+            info = _DTYPE_INFO[vd["d"]]
+            shape, stride, m = vd["s"], vd.get("t"), vd.get("m")
+            if stride is None:
+                stride = contiguous_stride(shape)
+            if m is not None:
+                lo, hi, mean, nan, inf = m
+                absmax = max(abs(lo), abs(hi)) if type(lo) in (int, float) and type(hi) in (int, float) else "nan"
+                stats = {"min": lo, "max": hi, "mean": mean, "absmax": absmax, "nan": nan, "inf": inf}
+            else:
+                stats = vd.get("M", {})
+            vid = vd["v"]
+            if vid not in cache:
+                cache[vid] = TensorValue(vid, info[0], shape, stride, vd["h"], vd.get("dev", "cpu"), stats,
+                                         vd.get("p"), vd.get("b"), vd.get("f"), prod(shape) * info[1])
+        k, call_id = d["k"], d["c"]
+        if k == "o":
+            rec = OpRecord(index, call_id, d["op"], d["a"], d.get("kw", {}), d["in"], d["out"], d["o"])
+        elif k == "e":
+            rec = ModuleEnter(index, call_id, d["m"], d["n"], d.get("p"), [(a, b) for a, b in d["in"]])
+        else:
+            rec = ModuleExit(index, call_id, [(a, b) for a, b in d["out"]], d.get("err"))
+        self.records._cache[index] = rec
+        return rec
+
+    def producer(self, vid: int) -> int | None:
+        """Index of the op record that produced value `vid`; None when it came from outside."""
+        if vid not in self.vkey:
+            raise KeyError(vid)
+        return self.vprod.get(vid)
+
+    def _read_reference(self, raw: bytes) -> None:
+        where = self.path / RECORDS
         lines = raw.split(b"\n")
         if lines[-1] == b"":
             lines.pop()
@@ -248,9 +619,6 @@ class Trace:
                 raise
             except Exception as e:  # any shape of nonsense a hand edit can produce is still a clean error
                 raise DivtraceError(f"{loc}: malformed record ({type(e).__name__})") from None
-        want = self.meta.get("records")
-        if "checksums" in self.meta and want is not None and want != len(self.records):
-            raise DivtraceError(f"{self.path / META}: says {want} records, {RECORDS} holds {len(self.records)}")
 
     # validation -----------------------------------------------------------------------------------------
     # Records are in the compact form of divtrace.records.record_compact. Every field is type-checked with
@@ -259,7 +627,7 @@ class Trace:
     def _value(self, d, producer_ok, loc: str) -> TensorValue:
         vid, short, shape, h = d["v"], d["d"], d["s"], d["h"]
         full_name = "torch." + short if type(short) is str else None
-        dtype = _DTYPES.get(full_name)
+        dtype = _dtype_full(full_name)
         if type(vid) is not int or vid < 0 or dtype is None or type(shape) is not list:
             raise DivtraceError(f"{loc}: malformed tensor value {vid!r}"[:300])
         n = 1
@@ -293,7 +661,7 @@ class Trace:
                 raise DivtraceError(f"{loc}: tensor value {vid} has no valid stored bytes in a full-mode trace")
         elif blob is not None or shard is not None:
             raise DivtraceError(f"{loc}: tensor value {vid} points to stored bytes in a hash-mode trace")
-        return TensorValue(vid, full_name, shape, stride, h, device, stats, producer, blob, shard, n * dtype.itemsize)
+        return TensorValue(vid, full_name, shape, stride, h, device, stats, producer, blob, shard, n * dtype[1])
 
     @staticmethod
     def _pairs(pairs, loc: str, what: str) -> list[tuple[str, int]]:
@@ -360,6 +728,8 @@ class Trace:
         self._link(rec, loc)
         values.update(new)
         self.records.append(rec)
+        for vid in new:
+            self._defined_at[vid] = index
 
     def _link(self, rec, loc: str) -> None:
         if isinstance(rec, ModuleEnter):
@@ -412,13 +782,24 @@ class Trace:
         return self.meta["hash_scheme"]
 
     def has_bytes(self, vid: int) -> bool:
-        return self.values[vid].blob is not None
+        if vid not in self.vkey:
+            raise KeyError(vid)
+        return vid in self.vblob
 
     def roots(self) -> list[ModuleCall]:
         return [c for c in self.calls.values() if c.parent is None]
 
-    def tensor(self, vid: int) -> torch.Tensor:
-        """The recorded value, loaded lazily and checked bit-exactly against its fingerprint."""
+    def _hash(self, t) -> str:
+        """The fingerprint function of this trace's hash_scheme (imports torch on first use)."""
+        h = self.__dict__.get("_hash_fn")
+        if h is None:
+            h = self._hash_fn = _hasher(self.meta["hash_scheme"])
+        return h(t)
+
+    def tensor(self, vid: int):
+        """The recorded value (a torch.Tensor), loaded lazily and checked bit-exactly against its fingerprint."""
+        import torch
+
         v = self.values[vid]
         if v.blob is None:
             raise DivtraceError(f"{self.path}: value {vid} has no stored bytes (trace recorded with mode='hash')")
@@ -460,9 +841,8 @@ class Trace:
         a record points to. Shards with no recorded sha256 (checksums.jsonl lost) are checked tensor by tensor
         against the fingerprints instead. Streams each file once; no tensor is deserialized when sums exist."""
         by_shard: dict[str, list[int]] = {}
-        for vid, v in self.values.items():
-            if v.shard is not None:
-                by_shard.setdefault(v.shard, []).append(vid)
+        for vid, (_, shard) in self.vblob.items():
+            by_shard.setdefault(shard, []).append(vid)
         problems = []
         for name in sorted(by_shard):
             p = self.path / name
@@ -486,7 +866,7 @@ class Trace:
             except DivtraceError as e:
                 problems.append(str(e))
                 continue
-            missing = sorted({self.values[vid].blob for vid in by_shard[name]} - keys)
+            missing = sorted({self.vblob[vid][0] for vid in by_shard[name]} - keys)
             if missing:
                 problems.append(f"{p}: has no tensor {missing[0]}, which a record points to")
         return problems
@@ -494,9 +874,9 @@ class Trace:
     def _check_tensors(self, vids: list[int]) -> list[str]:
         problems, seen = [], set()
         for vid in vids:
-            if self.values[vid].blob in seen:
+            if self.vblob[vid][0] in seen:
                 continue
-            seen.add(self.values[vid].blob)
+            seen.add(self.vblob[vid][0])
             try:
                 self.tensor(vid)
             except DivtraceError as e:
@@ -517,3 +897,80 @@ class Trace:
 
 def open_trace(path) -> Trace:
     return Trace(path)
+
+
+class _Records(Sequence):
+    """Trace.records of the fast reader: each record is built from the verified bytes when first asked for."""
+
+    __slots__ = ("_t", "_cache")
+
+    def __init__(self, t: Trace):
+        self._t, self._cache = t, {}
+
+    def __len__(self) -> int:
+        return len(self._t.rcall)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self._t.rcall)
+        j = i + n if i < 0 else i  # a non-int raises TypeError here, as a list would
+        if not 0 <= j < n:
+            raise IndexError("record index out of range")
+        rec = self._cache.get(j)
+        return rec if rec is not None else self._t._build(j)
+
+    def __iter__(self):
+        if len(self._cache) < len(self._t.rcall):
+            self._t._build_all()
+        return iter(self[i] for i in range(len(self._t.rcall)))
+
+    def __eq__(self, other):
+        if not isinstance(other, (Sequence, _Records)) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(x == y for x, y in zip(self, other))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} records of {self._t.path}>"
+
+
+class _Values(Mapping):
+    """Trace.values of the fast reader: each TensorValue is built from the verified bytes when first asked for."""
+
+    __slots__ = ("_t", "_cache")
+
+    def __init__(self, t: Trace):
+        self._t, self._cache = t, {}
+
+    def __getitem__(self, vid) -> TensorValue:
+        v = self._cache.get(vid)
+        if v is None:
+            t = self._t
+            index = t.vprod.get(vid)
+            t._build(t.vsrc[vid] if index is None else index)  # KeyError for a value not defined, as a dict
+            v = self._cache[vid]
+        return v
+
+    def __contains__(self, vid) -> bool:
+        return vid in self._t.vkey
+
+    def __iter__(self):
+        return iter(self._t.vkey)
+
+    def __len__(self) -> int:
+        return len(self._t.vkey)
+
+    def items(self):
+        if len(self._cache) < len(self._t.vkey):
+            self._t._build_all()
+        return super().items()
+
+    def values(self):
+        if len(self._cache) < len(self._t.vkey):
+            self._t._build_all()
+        return super().values()
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} tensor values of {self._t.path}>"

@@ -1,0 +1,314 @@
+"""Bisect at scale (issue 2): the fast trace reader, the compact index bisect reads, and no torch for hash traces.
+
+The fast reader (Trace._read_fast) must accept exactly what the reference reader (Trace._read_reference, the
+record-by-record validator) accepts, build the same records, values and calls, and leave every error to the
+reference; these tests check that on systematically mutated traces. A bisect of hash traces must not import
+torch (it costs seconds and ~220 MB); the tables that let it avoid torch are checked against torch here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import divtrace
+from divtrace.compare import bisect as bisect_mod
+from divtrace.errors import DivtraceError
+from divtrace.trace import reader
+from divtrace.trace.reader import Trace
+from helpers import ROOT, record_model, record_pair
+from test_trace_fixtures import Tiny, edit_meta, tiny_input
+
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_bisect  # noqa: E402
+
+INDEX = ("vkey", "vprod", "vsrc", "vblob", "rcall", "rop", "rin", "rout", "calls", "_open", "_call_counts",
+         "torn_tail", "verified", "warnings")
+
+
+def _record(path: Path, mode: str) -> Path:
+    m = Tiny()
+    with torch.no_grad(), divtrace.record(m, path, mode=mode, flush_records=6, shard_bytes=600):
+        m(tiny_input())
+        m(tiny_input(2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    d = tmp_path_factory.mktemp("scale")
+    return {"hash": _record(d / "hash", "hash"), "full": _record(d / "full", "full")}
+
+
+def _read(path: Path, fast: bool):
+    """('error', message) or ('ok', everything the trace holds), read with the fast reader or the reference."""
+    old = Trace.FAST
+    Trace.FAST = fast
+    try:
+        t = Trace(path)
+    except DivtraceError as e:
+        return ("error", str(e)), None
+    finally:
+        Trace.FAST = old
+    state = {k: getattr(t, k) for k in INDEX}
+    state["records"] = list(t.records)
+    state["values"] = dict(t.values.items())
+    return ("ok", repr(state)), t  # repr: a NaN in the stats equals itself
+
+
+def _reseal(path: Path) -> None:
+    """Make records.jsonl's recorded sha256 match its (edited) bytes: the reader then parses it as verified."""
+    raw = (path / "records.jsonl").read_bytes()
+    meta = json.loads((path / "meta.json").read_text())
+    meta["checksums"]["records"] = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def _unverify(path: Path) -> None:
+    """As a killed run whose checksums were lost: nothing to verify against, parsed line by line."""
+    edit_meta(path, status="running", complete=False, checksums=None, records=None, shards=None)
+    (path / "checksums.jsonl").unlink()
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, prefix + (i,))
+
+
+REPLACEMENTS = [None, True, False, 0, -1, 1, 3, 10**12, 1.5, float("nan"), "", "x", "o", "e", "torch.float32",
+                "float32", "bfloat16", "float8_e4m3fn", "0" * 32, "A" * 32, "0" * 31, [], [0], [1, 2], [True],
+                [1.0], [-1], ["args.0", 0], [["args.0", 0]], {}, {"$v": 0}, [1.0, 2.0, 3.0, 0, 0], "tensors-00000.safetensors"]
+
+
+def _mutations(lines: list[bytes], rng: random.Random, n: int):
+    """n edits of records.jsonl, drawn deterministically: a value replaced or deleted anywhere in a line, lines
+    dropped, duplicated, swapped, re-spaced or reordered (still the same JSON), and a few that are not JSON."""
+    docs = [json.loads(line) for line in lines]
+    for _ in range(n):
+        i = rng.randrange(len(lines))
+        new = list(lines)
+        what = rng.random()
+        if what < 0.75:
+            doc = json.loads(lines[i])
+            path = rng.choice(list(_paths(doc))[1:])
+            parent = doc
+            for key in path[:-1]:
+                parent = parent[key]
+            if isinstance(parent, dict) and rng.random() < 0.2:
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = rng.choice(REPLACEMENTS)
+            new[i] = json.dumps(doc, separators=(",", ":")).encode()
+        elif what < 0.8:
+            del new[i]
+        elif what < 0.85:
+            new.insert(rng.randrange(len(new) + 1), lines[i])
+        elif what < 0.9:
+            j = rng.randrange(len(lines))
+            new[i], new[j] = new[j], new[i]
+        elif what < 0.95:  # the same record, written another (valid) way: both readers must accept it alike
+            doc = docs[i]
+            new[i] = json.dumps(dict(reversed(list(doc.items()))) if rng.random() < 0.5 else doc).encode()
+        else:
+            new[i] = rng.choice([b"", b"{", b"[]", b"1", lines[i] + b" " + lines[i], lines[i][:-3], b"null",
+                                 lines[i] + b"," + lines[i]])
+        yield b"\n".join(new) + b"\n"
+
+
+@pytest.mark.parametrize("base,unverified,n", [("hash", False, 700), ("full", False, 300), ("hash", True, 300)])
+def test_fast_reader_agrees_with_the_reference(bases, tmp_path, base, unverified, n):
+    """Whatever the edit, the fast reader gives the reference's error, or the same trace."""
+    import shutil
+
+    t = shutil.copytree(bases[base], tmp_path / "t")
+    if unverified:
+        _unverify(t)
+    lines = (t / "records.jsonl").read_bytes().splitlines()
+    same = fast_ok = errors = 0
+    for data in _mutations(lines, random.Random(f"{base}-{unverified}"), n):
+        (t / "records.jsonl").write_bytes(data)
+        if not unverified:
+            _reseal(t)
+        ref, _ = _read(t, fast=False)
+        got, trace = _read(t, fast=True)
+        assert got == ref, (data.decode(errors="replace")[:2000], got[1] if got[0] == "error" else "ok",
+                            ref[1] if ref[0] == "error" else "ok")
+        same += 1
+        errors += ref[0] == "error"
+        fast_ok += trace is not None and trace.read_fast
+    # Both kinds of outcome were exercised, and the fast reader took most of the valid edits itself.
+    assert errors > n // 4 and fast_ok > (same - errors) // 2, (same, errors, fast_ok)
+
+
+def test_records_split_across_lines_are_built_as_validated(bases, tmp_path):
+    """A hand edit can split one record over two lines and put two records on one line; read as one JSON array
+    (as the reference does for checksummed bytes) that is still the same records. Records built later must
+    come from that same parse, not from a line read alone (which would be half a record, or another one)."""
+    import shutil
+
+    t = shutil.copytree(bases["hash"], tmp_path / "t")
+    lines = (t / "records.jsonl").read_bytes().splitlines()
+    i = next(n for n, line in enumerate(lines) if b'"a":[{"$v":' in line and b'},{"$v":' in line)
+    cut = lines[i].index(b'},{"$v":') + 1
+    j = i + 3  # two other records share a line, so the count of lines stays the count of records
+    edited = lines[:i] + [lines[i][:cut], lines[i][cut + 1:]] + lines[i + 1:j] + [lines[j] + b"," + lines[j + 1]] \
+        + lines[j + 2:]
+    assert len(edited) == len(lines)
+    (t / "records.jsonl").write_bytes(b"\n".join(edited) + b"\n")
+    _reseal(t)
+    fast, trace = _read(t, fast=True)
+    ref, _ = _read(t, fast=False)
+    assert trace.read_fast and fast == ref
+    again = Trace(t)  # one record asked for first, alone: built from the chunk it was validated in
+    assert again.records[i + 1] == Trace(bases["hash"]).records[i + 1]
+    assert again.records[i] == Trace(bases["hash"]).records[i]
+
+
+@pytest.mark.parametrize("mode", ["hash", "full"])
+def test_fast_reader_builds_what_the_reference_builds(bases, mode):
+    fast, t = _read(bases[mode], fast=True)
+    ref, _ = _read(bases[mode], fast=False)
+    assert t.read_fast and fast == ref
+
+
+def test_lazy_records_and_values_act_like_list_and_dict(bases):
+    t = Trace(bases["full"])
+    _, r = _read(bases["full"], fast=False)  # the reference reader's plain list and dict, for comparison
+    assert t.read_fast and not r.read_fast
+    n = len(r.records)
+    assert len(t.records) == n and len(t.values) == len(r.values) > 0
+    assert t.records[-1] == r.records[-1] and t.records[1:4] == r.records[1:4] and t.records[::5] == r.records[::5]
+    assert list(t.records) == r.records and t.records == r.records and r.records == t.records
+    with pytest.raises(IndexError):
+        t.records[n]
+    with pytest.raises(TypeError):
+        t.records["0"]
+    vid = next(iter(r.values))
+    assert vid in t.values and t.values[vid] == r.values[vid] and t.values.get(-5) is None
+    with pytest.raises(KeyError):
+        t.values[10**9]
+    assert list(t.values) == list(r.values) and t.values == r.values and dict(t.values) == r.values
+    assert t.producer(vid) == r.values[vid].producer and t.has_bytes(vid)
+
+
+def test_hash_bisect_never_imports_torch(tmp_path):
+    """A hash-trace bisect, through the CLI and the library, with a real localization (casts included), runs
+    without torch."""
+    a, b = record_pair(tmp_path, "all", mode="hash")
+    code = ("import json, sys\n"
+            "from divtrace.cli.app import main\n"
+            "rc = main(['bisect', sys.argv[1], sys.argv[2], '--json'])\n"
+            "sys.stderr.write('\\nRESULT ' + json.dumps([rc, 'torch' in sys.modules]) + '\\n')\n"
+            "from divtrace.compare.bisect import bisect\n"
+            "r = bisect(sys.argv[1], sys.argv[2])\n"
+            "sys.stderr.write('RESULT ' + json.dumps([r.first.module, r.first.op, r.first.op_b, 'torch' in sys.modules]) + '\\n')\n")
+    p = subprocess.run([sys.executable, "-c", code, str(a), str(b)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in p.stderr.splitlines() if "RESULT " in line]
+    assert len(results) == 2, p.stderr
+    assert results[0] == [1, False]
+    assert results[1] == ["model.layers.0.input_layernorm", "aten._to_copy.default", "aten.mul.Tensor", False]
+    out = json.loads(p.stdout)
+    assert out["verdict"] == "diverged" and out["first"]["metrics_available"] is False and out["hint"]
+    # and `divtrace bisect` itself, as a user runs it: -X importtime lists every module the process imports
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "divtrace", "bisect", str(a), str(b), "--json"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    imported = [line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")]
+    assert p.returncode == 1 and json.loads(p.stdout) == out and "divtrace.compare.bisect" in imported
+    assert not [m for m in imported if m.split(".")[0] in ("torch", "numpy", "safetensors")], imported
+
+
+@pytest.mark.parametrize("mode", ["hash", "full"])
+def test_bisect_is_the_same_on_either_reader(tmp_path, mode):
+    a, b = record_pair(tmp_path, "all", mode=mode)
+    results = []
+    for fast in (True, False):
+        Trace.FAST = fast
+        try:
+            ta, tb = Trace(a), Trace(b)
+            assert ta.read_fast is fast and tb.read_fast is fast
+            results.append(divtrace.bisect(ta, tb).to_dict())
+        finally:
+            Trace.FAST = True
+    assert results[0] == results[1] and results[0]["verdict"] == "diverged" and results[0]["compared"] > 10
+
+
+def test_torch_free_tables_match_torch():
+    """The dtype, finfo and fingerprint-scheme tables the reader and bisect use instead of importing torch."""
+    from divtrace import fingerprint, settings
+
+    for short, size in {**reader._CORE_DTYPES, **reader._OPTIONAL_DTYPES}.items():
+        d = getattr(torch, short, None)
+        assert reader._dtype_info(short) == (None if d is None else (f"torch.{short}", d.itemsize)), short
+        if d is None:
+            continue
+        assert d.itemsize == size
+        name = f"torch.{short}"
+        if not d.is_floating_point:
+            assert bisect_mod._finfo(name) is None and name not in bisect_mod._FLOAT_WITHOUT_FINFO
+            continue
+        try:
+            fi = torch.finfo(d)
+            want = (fi.bits, fi.eps, fi.max, fi.tiny)
+        except (NotImplementedError, TypeError, RuntimeError):
+            assert name in bisect_mod._FLOAT_WITHOUT_FINFO and bisect_mod._finfo(name) is None
+            continue
+        assert bisect_mod._finfo(name) == want and name not in bisect_mod._FLOAT_WITHOUT_FINFO, name
+    assert reader._dtype_info("float33") is None and reader._dtype_info(["float32"]) is None
+    for scheme in reader._SCHEMES_KNOWN_WITHOUT_TORCH:
+        assert fingerprint.hasher(scheme) is not None
+    assert fingerprint.HASH_SCHEME in reader._SCHEMES_KNOWN_WITHOUT_TORCH
+    a = {"num_threads": 1, "x": None, "sdp_flash": True}
+    b = {"num_threads": 2, "y": 0, "sdp_flash": True}
+    assert bisect_mod._settings_diff(a, b) == settings.settings_diff(a, b)
+
+
+def test_cast_to_packed_fp4_is_computing_not_a_crash():
+    """torch.finfo has no float4_e2m1fn_x2: telling whether a cast to or from it rounds raised
+    NotImplementedError (an "internal error" from bisect); such a cast may round, so it is computing."""
+    assert bisect_mod.cast_rounds("torch.float32", "torch.float4_e2m1fn_x2")
+    assert bisect_mod.cast_rounds("torch.float4_e2m1fn_x2", "torch.float32")
+    assert not bisect_mod.cast_rounds("torch.float4_e2m1fn_x2", "torch.float4_e2m1fn_x2")
+    assert not bisect_mod.cast_rounds("torch.bfloat16", "torch.float32")
+    assert bisect_mod.cast_rounds("torch.float32", "torch.bfloat16")
+    with pytest.raises(DivtraceError):
+        bisect_mod.cast_rounds("torch.float32", "torch.bogus")
+
+
+def test_show_counts_ops_from_the_index(bases):
+    from divtrace.cli.show_cmd import trace_summary
+
+    t = Trace(bases["full"])
+    s = trace_summary(t)
+    ops = [r.op for r in Trace(bases["full"]).records if r.kind == "op"]
+    assert s["ops"] == len(ops) > 0 and dict(s["top_ops"]) == {op: ops.count(op) for op in set(ops)}
+
+
+def test_bench_reaches_the_record_count():
+    # bench/bench_record.py's synthetic model stopped at 91,666 records for a 100k target
+    for n in (100_000, 3, 14, 15, 99_999):
+        leaves = bench_bisect.leaves_for(n)
+        assert leaves * bench_bisect.RECORDS_PER_LEAF + bench_bisect.ROOT_RECORDS >= n
+
+
+def test_bench_runs(tmp_path):
+    """The benchmark end to end at a small size (no timing asserted): both variants in fresh processes."""
+    out = tmp_path / "bench.json"
+    assert bench_bisect.main(["--records", "400", "--repeats", "1", "--json", str(out), "--keep", str(tmp_path / "t")]) == 0
+    res = json.loads(out.read_text())
+    assert min(res["records_per_trace"]) >= 400
+    for variant in ("cli", "library"):
+        r = res[variant]
+        assert (r["verdict"], r["module"], r["op"]) == ("diverged", "", "aten.add.Tensor")
+        assert r["torch_imported"] is False and r["seconds"] > 0 and r["peak_rss_mb"] > 0
