@@ -51,7 +51,8 @@ def show(
         m = t.meta
         o.line(f"trace {t.path}  label={t.label}  mode={t.mode}  format_version={m.get('format_version')}  "
                f"status={getattr(t, 'status', m.get('status'))}{'' if t.complete else '  (INCOMPLETE)'}")
-        o.line(f"torch {m.get('torch_version')}  device {m.get('device')}  model {m.get('model_class')}  "
+        o.line(f"torch {m.get('torch_version')}  device {m.get('device')}  hashing {m.get('hash_impl', '?')}  "
+               f"model {m.get('model_class')}  "
                f"entry {m.get('entry') or '-'}")
         o.line(f"{s['records']} records: {s['ops']} ops, {s['module_calls']} module calls, {s['values']} values; "
                f"{s['stored_bytes'] / 1e6:.2f} MB on disk")
