@@ -255,18 +255,17 @@ class _Walker:
 
     def in_mismatch(self, ca: ModuleCall, cb: ModuleCall):
         """cmp.first_mismatch of the two calls' inputs (cached)."""
-        key = (ca.call_id, cb.call_id)
-        hit = self._in_mismatch.get(key, _UNSET)
-        if hit is _UNSET:
-            hit = self._in_mismatch[key] = self.cmp.first_mismatch(ca.inputs, cb.inputs)
-        return hit
+        return self._first_mismatch(self._in_mismatch, ca, cb, "inputs")
 
     def out_mismatch(self, ca: ModuleCall, cb: ModuleCall):
         """cmp.first_mismatch of the two calls' outputs (cached)."""
+        return self._first_mismatch(self._out_mismatch, ca, cb, "outputs")
+
+    def _first_mismatch(self, cache: dict, ca: ModuleCall, cb: ModuleCall, side: str):
         key = (ca.call_id, cb.call_id)
-        hit = self._out_mismatch.get(key, _UNSET)
+        hit = cache.get(key, _UNSET)
         if hit is _UNSET:
-            hit = self._out_mismatch[key] = self.cmp.first_mismatch(ca.outputs, cb.outputs)
+            hit = cache[key] = self.cmp.first_mismatch(getattr(ca, side), getattr(cb, side))
         return hit
 
     def differs(self, ca: ModuleCall, cb: ModuleCall) -> bool:
