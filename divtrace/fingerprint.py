@@ -29,6 +29,8 @@ import threading
 
 import torch
 
+from divtrace.records import json_safe
+
 try:
     from divtrace import _native
 except ImportError:  # built without a C compiler: the torch path computes the same fingerprints
@@ -208,7 +210,7 @@ def _native_pass(t: torch.Tensor, stats: bool):
     if not stats:
         return h, None
     if st is None:
-        return h, json_stats(summary_stats(t)) if t.is_floating_point() else {}
+        return h, json_safe(summary_stats(t)) if t.is_floating_point() else {}
     lo, hi, total, finite, nan, inf = st
     if not finite:  # all NaN/Inf
         return h, {"min": "nan", "max": "nan", "mean": "nan", "absmax": "nan", "nan": nan, "inf": inf}
@@ -216,11 +218,6 @@ def _native_pass(t: torch.Tensor, stats: bool):
     if not math.isfinite(mean):  # the sum of finite values overflowed a double: fp64 near its range
         mean = repr(mean)
     return h, {"min": lo, "max": hi, "mean": mean, "absmax": max(-lo, hi), "nan": nan, "inf": inf}
-
-
-def json_stats(stats: dict) -> dict:
-    """Non-finite floats as their repr ("nan", "inf"), as strict JSON needs (and records.json_safe does)."""
-    return {k: repr(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in stats.items()}
 
 
 def fingerprint(t: torch.Tensor) -> tuple[str, dict]:
@@ -232,7 +229,7 @@ def fingerprint(t: torch.Tensor) -> tuple[str, dict]:
     flat = flat_bytes(t)
     if flat.numel() == 0:
         return ZERO_HASH, {}
-    return tensor_hash(flat, fused=flat.device.type == "cpu"), json_stats(summary_stats(flat))
+    return tensor_hash(flat, fused=flat.device.type == "cpu"), json_safe(summary_stats(flat))
 
 
 _DTYPE_NAMES: dict = {}

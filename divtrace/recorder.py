@@ -39,7 +39,7 @@ import weakref
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from divtrace.errors import DivtraceError
-from divtrace.fingerprint import fingerprint
+from divtrace.fingerprint import dtype_name, fingerprint
 from divtrace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue
 from divtrace.settings import numerics_settings, run_environment
 from divtrace.trace.writer import TraceWriter
@@ -174,9 +174,7 @@ def _reads_only(func) -> bool:
     """Whether the op's schema says it writes none of its arguments (no schema: assume it may)."""
     r = _READS_ONLY.get(func)
     if r is None:
-        schema = getattr(func, "_schema", None)
-        r = _READS_ONLY[func] = schema is not None and not any(
-            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        r = _READS_ONLY[func] = getattr(func, "_schema", None) is not None and not _mutated_args(func)
     return r
 
 
@@ -340,7 +338,7 @@ class Recorder:
             v = entry[2]
             if v.vid not in self._derived:
                 fp = fingerprint(t)
-                if (fp[0] == v.hash and str(t.dtype) == v.dtype and list(t.shape) == v.shape
+                if (fp[0] == v.hash and dtype_name(t.dtype) == v.dtype and list(t.shape) == v.shape
                         and list(t.stride()) == v.stride):
                     self._tensors[t] = (entry[0], version, v)
                     return entry[0]

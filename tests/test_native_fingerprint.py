@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from divtrace import fingerprint as fp
+from divtrace.records import json_safe
 
 pytestmark = pytest.mark.skipif(fp._native is None, reason="divtrace._native not built (no C compiler at install)")
 
@@ -110,7 +111,7 @@ def test_every_flipped_bit_is_seen_in_every_block(kernel):
 
 
 def _torch_stats(x):
-    return fp.json_stats(fp.summary_stats(x.contiguous()))
+    return json_safe(fp.summary_stats(x.contiguous()))
 
 
 def _close(a, b):

@@ -43,8 +43,6 @@ def atomic_write_with(path: Path, fill, durable: bool) -> None:
         raise
 
 
-
-
 def sha256_file(path: Path) -> str:
     """sha256 of a file, streamed (shards can be large)."""
     h = hashlib.sha256()

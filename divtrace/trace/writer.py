@@ -165,7 +165,7 @@ class TraceWriter:
                         t.numel() * t.element_size())
         if self.mode == "full":
             # Content-addressed: views, reshapes and copies of the same bytes share one blob.
-            key = f"{str(t.dtype).removeprefix('torch.')}-{t.numel()}-{h}"
+            key = f"{v.dtype.removeprefix('torch.')}-{t.numel()}-{h}"
             if key not in self._blobs and key not in self._pending_tensors:
                 # `flat` is already a private copy when `t` was not contiguous; otherwise it aliases `t`.
                 flat = flat_bytes(t)
