@@ -4,9 +4,11 @@ Model (issue 2): HF LlamaForCausalLM from config, hidden 512, 8 layers, 8 heads,
 vocab 32000, sequence 256, batch 1, fp32, torch.set_num_threads(1). Baseline: PyTorch DebugMode with bitwise
 tensor hashes (torch.hash_tensor) on the same forward.
 
-The configurations run in rounds (plain, DebugMode, hash ops, hash modules, full, then again), so a slow
-spell of a shared machine hits them all; each ratio is the median over rounds of (time / that round's plain
-forward). Bisect at scale is bench/bench_bisect.py.
+The configurations run in rounds (plain, DebugMode, hash ops, hash modules, then again; then plain, hash ops,
+full in rounds of their own), so a slow spell of a shared machine hits them all; each ratio is the median over rounds of (time / that round's plain
+forward). Full mode's write throughput is save_file's time for the same tensors over full mode's extra time
+(full minus hash recording, same round); the shard writer alone is also timed against save_file. Bisect at
+scale is bench/bench_bisect.py.
 
     python bench/bench_record.py [--repeats 7] [--json out.json] [--small]
 """
@@ -44,29 +46,21 @@ def build(small: bool):
     return model, ids
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def rounds(fns: dict, repeats: int) -> tuple[dict, dict]:
     """Median seconds of each function, and median ratio to the first one, timed in interleaved rounds."""
     for fn in fns.values():
+        getattr(fn, "setup", lambda: None)()
         fn()  # warm-up
     ts: dict = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
+            getattr(fn, "setup", lambda: None)()
             t0 = time.perf_counter()
             fn()
             ts[k].append(time.perf_counter() - t0)
     base = next(iter(fns))
     ratios = {k: statistics.median(t / b for t, b in zip(v, ts[base])) for k, v in ts.items()}
-    return {k: statistics.median(v) for k, v in ts.items()}, ratios
+    return {k: statistics.median(v) for k, v in ts.items()}, ratios, ts
 
 
 def main(argv=None) -> int:
@@ -95,21 +89,22 @@ def main(argv=None) -> int:
         return dm
 
     def rec(mode, ops):
+        out = tmp / f"{mode}-{ops}"
+
         def run():
-            out = tmp / f"{mode}-{ops}"
-            shutil.rmtree(out, ignore_errors=True)
             with torch.no_grad(), divtrace.record(model, out, mode=mode, ops=ops):
                 model(ids, use_cache=False)
+        run.setup = lambda: shutil.rmtree(out, ignore_errors=True)  # untimed: removing the last run's files
         return run
 
-    res["seconds"], res["ratio_vs_plain"] = rounds(
+    res["seconds"], res["ratio_vs_plain"], _ = rounds(
         {"plain": plain, "debug_mode_hash": debug_mode, "hash_ops": rec("hash", True),
          "hash_modules": rec("hash", False)}, args.repeats)
-    t_full = timed(rec("full", True), max(1, args.repeats // 2))
-    t_hash_ops = res["seconds"]["hash_ops"]
-    res["seconds"]["full_ops"] = t_full
-    res["ratio_vs_plain"]["full_ops"] = t_full / res["seconds"]["plain"]
     print(json.dumps({k: round(v, 3) for k, v in res["ratio_vs_plain"].items()}), flush=True)
+    # Full mode in rounds of its own: its writes (page cache, writeback) would slow the rounds above.
+    fsec, fratio, per_round = rounds({"plain": plain, "hash_ops": rec("hash", True), "full_ops": rec("full", True)},
+                                     args.repeats)
+    res["seconds"]["full_ops"], res["ratio_vs_plain"]["full_ops"] = fsec["full_ops"], fratio["full_ops"]
 
     # Bytes per record in hash mode.
     from divtrace.trace.reader import Trace
@@ -119,20 +114,38 @@ def main(argv=None) -> int:
     res["hash_records"] = len(th.records)
     res["hash_bytes_per_record"] = rec_bytes / max(1, len(th.records))
 
-    # Full-mode write throughput vs safetensors.save_file of the same tensors.
+    # Full-mode write throughput vs safetensors.save_file of the same tensors, two ways:
+    # - recording: what full mode costs on top of hash mode (the forward and the hashing are in both), per round;
+    # - shard writer alone: the same tensors, in the trace's own shards, written synchronously by write_shard
+    #   (sha256 included), against save_file of those shards, in interleaved rounds.
     from safetensors.torch import save_file
+    from divtrace.trace.writer import write_shard
 
     tf = Trace(tmp / "full-True")
-    blobs = {}
+    shards: dict = {}
     for vid, v in tf.values.items():
-        if v.blob and v.blob not in blobs:
-            blobs[v.blob] = tf.tensor(vid).reshape(-1).clone()
-    nbytes = sum(t.numel() * t.element_size() for t in blobs.values())
-    t_save = timed(lambda: save_file(blobs, str(tmp / "ref.safetensors")), max(1, args.repeats // 2))
-    # divtrace's cost of the same bytes = full recording minus hash recording (the forward and hashing are in both)
-    t_write = max(t_full - t_hash_ops, 1e-9)
-    res["full_mode"] = {"unique_bytes": nbytes, "safetensors_save_s": t_save, "divtrace_extra_s": t_write,
-                        "throughput_vs_safetensors": t_save / t_write}
+        if v.blob and v.blob not in shards.setdefault(v.shard, {}):
+            shards[v.shard][v.blob] = tf.tensor(vid).reshape(-1).clone()
+    nbytes = sum(t.numel() * t.element_size() for sh in shards.values() for t in sh.values())
+    extra = [f - h for f, h in zip(per_round["full_ops"], per_round["hash_ops"])]
+
+    def save_ref():
+        for i, sh in enumerate(shards.values()):
+            save_file(sh, str(tmp / f"ref-{i}.safetensors"))
+
+    def save_ours():
+        for i, sh in enumerate(shards.values()):
+            write_shard(tmp / f"ours-{i}.safetensors", sh)
+
+    wsec, _, wrounds = rounds({"save_file": save_ref, "write_shard": save_ours}, max(3, args.repeats))
+    t_save = wsec["save_file"]
+    res["full_mode"] = {
+        "unique_bytes": nbytes, "shards": len(shards), "safetensors_save_s": t_save,
+        "recording_extra_s": statistics.median(extra),
+        "recording_vs_safetensors": t_save / max(statistics.median(extra), 1e-9),
+        "write_shard_s": wsec["write_shard"],
+        "write_shard_vs_safetensors": statistics.median(
+            r / o for r, o in zip(wrounds["save_file"], wrounds["write_shard"]))}
 
     shutil.rmtree(tmp, ignore_errors=True)
     txt = json.dumps(res, indent=2)

@@ -42,6 +42,7 @@ from divtrace.errors import DivtraceError
 from divtrace.fingerprint import dtype_name, fingerprint
 from divtrace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue
 from divtrace.settings import numerics_settings, run_environment
+from divtrace.trace.files import compact_encoder
 from divtrace.trace.writer import TraceWriter
 
 _STATE = threading.local()  # shared by all recorders: while one does its own bookkeeping, none records
@@ -59,7 +60,7 @@ _DERIVABLE_VIEWS = {f"aten.{n}" for n in ("t.default", "transpose.int", "permute
 _SEQ = itertools.count()
 # The derived-view key, as json.dumps(..., default=str, separators=(",", ":")) writes it (built once: json.dumps
 # builds an encoder per call). Changing the key changes every derived fingerprint, as a new hash scheme would.
-_VIEW_KEY_JSON = json.JSONEncoder(default=str, separators=(",", ":"))
+_VIEW_KEY_JSON = compact_encoder(default=str, allow_nan=True)
 _VID_JSON = re.compile(r'\{"\$v":\d+\}')
 
 
@@ -235,8 +236,8 @@ class Recorder:
     def __enter__(self):
         if id(self.model) in _ACTIVE_MODELS:
             raise DivtraceError("this model is already being recorded; nested record() on one model is not supported")
-        params = list(self.model.parameters())
-        device = str(params[0].device) if params else "cpu"
+        first = next(self.model.parameters(), None)  # not list(): that walks every parameter of a big model
+        device = str(first.device) if first is not None else "cpu"
         meta = {"label": self.label, "ops": self.ops, "include": self._include_src, "exclude": self._exclude_src,
                 "model_class": type(self.model).__name__, "settings": numerics_settings(),
                 "module_tree": [[name, type(m).__name__] for name, m in self.model.named_modules()],
@@ -406,9 +407,9 @@ class Recorder:
         if e is None or e[1] != self._version(src):
             return None
         # vids are per trace: mask them so both sides derive the same fingerprint from the same op and bytes
-        consts = _VIEW_KEY_JSON.encode(enc_args)
+        consts = _VIEW_KEY_JSON(enc_args)
         consts = _VID_JSON.sub("T", consts)
-        key = _VIEW_KEY_JSON.encode([op, e[2].hash, e[2].dtype, list(t.shape), consts])
+        key = _VIEW_KEY_JSON([op, e[2].hash, e[2].dtype, list(t.shape), consts])
         h = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
         stats = e[2].stats if op.split(".")[1] in ("t", "transpose", "permute", "numpy_T", "mT") else {}
         v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
@@ -442,7 +443,7 @@ class Recorder:
             if isinstance(local, torch.Tensor) and type(local).__torch_dispatch__ is _PLAIN_DISPATCH:
                 return self._plain(local, where)
             return self._skip(f"{where}: tensor subclass {type(t).__name__} not recorded")
-        if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+        if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:
             kind = "meta" if t.device.type == "meta" else "quantized" if t.is_quantized else \
                 "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
             return self._skip(f"{where}: {kind} tensor not recorded")
@@ -683,7 +684,8 @@ def record(model, path, *, mode="full", ops=True, label=None, include=None, excl
     """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
 
     `flush_records` bounds how many records may be lost if the process is killed (they are written in
-    batches of that many; `shard_bytes` bounds the tensor bytes held in memory in full mode).
+    batches of that many). `shard_bytes` is the size of a full-mode shard; about twice that is held in memory
+    while one is written.
 
     Example::
 
