@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-import json
 import math
 import re
 import signal
