@@ -145,6 +145,16 @@ def _short_stats(st: dict) -> list:
             float("%.7g" % mean) if type(mean) is float else mean, st["nan"], st["inf"]]
 
 
+def stats_from_compact(d: dict) -> dict:
+    """The stats dict of an on-disk value: its "m" list (what _short_stats wrote, absmax derived) or "M"."""
+    m = d.get("m")
+    if m is None:
+        return d.get("M", {})
+    lo, hi, mean, nan, inf = m
+    absmax = max(abs(lo), abs(hi)) if type(lo) in (int, float) and type(hi) in (int, float) else "nan"
+    return {"min": lo, "max": hi, "mean": mean, "absmax": absmax, "nan": nan, "inf": inf}
+
+
 def _value_compact(v: TensorValue) -> dict:
     d = {"v": v.vid, "d": v.dtype.removeprefix("torch."), "s": v.shape, "h": v.hash}
     if v.producer is not None:

@@ -21,7 +21,8 @@ from operator import itemgetter
 from pathlib import Path
 
 from divtrace.errors import DivtraceError
-from divtrace.records import FORMAT_VERSION, contiguous_stride, ModuleCall, ModuleEnter, ModuleExit, OpRecord, TensorValue
+from divtrace.records import (FORMAT_VERSION, ModuleCall, ModuleEnter, ModuleExit, OpRecord, TensorValue,
+                              contiguous_stride, stats_from_compact)
 from divtrace.trace.files import CHECKSUMS, META, RECORDS, sha256_file
 
 # torch is imported only where tensors are really needed (loading bytes, dtype objects): reading a hash trace
@@ -555,15 +556,10 @@ class Trace:
         cache = self.values._cache
         for vd in d.get("V", ()):
             info = _DTYPE_INFO[vd["d"]]
-            shape, stride, m = vd["s"], vd.get("t"), vd.get("m")
+            shape, stride = vd["s"], vd.get("t")
             if stride is None:
                 stride = contiguous_stride(shape)
-            if m is not None:
-                lo, hi, mean, nan, inf = m
-                absmax = max(abs(lo), abs(hi)) if type(lo) in (int, float) and type(hi) in (int, float) else "nan"
-                stats = {"min": lo, "max": hi, "mean": mean, "absmax": absmax, "nan": nan, "inf": inf}
-            else:
-                stats = vd.get("M", {})
+            stats = stats_from_compact(vd)
             vid = vd["v"]
             if vid not in cache:
                 cache[vid] = TensorValue(vid, info[0], shape, stride, vd["h"], vd.get("dev", "cpu"), stats,
@@ -646,13 +642,7 @@ class Trace:
         if producer is not None and producer != producer_ok:
             raise DivtraceError(f"{loc}: tensor value {vid} names producer {producer!r}, not this record"[:300])
         device = d.get("dev", "cpu")
-        m = d.get("m")
-        if m is not None:
-            lo, hi, mean, nan, inf = m
-            absmax = max(abs(lo), abs(hi)) if type(lo) in (int, float) and type(hi) in (int, float) else "nan"
-            stats = {"min": lo, "max": hi, "mean": mean, "absmax": absmax, "nan": nan, "inf": inf}
-        else:
-            stats = d.get("M", {})
+        stats = stats_from_compact(d)
         blob, shard = d.get("b"), d.get("f")
         if type(device) is not str or type(stats) is not dict:
             raise DivtraceError(f"{loc}: malformed tensor value {vid}"[:300])
