@@ -5,8 +5,9 @@ vocab 32000, sequence 256, batch 1, fp32, torch.set_num_threads(1). Baseline: Py
 tensor hashes (torch.hash_tensor) on the same forward.
 
 The configurations run in rounds (plain, DebugMode, hash ops, hash modules, then again; then plain, hash ops,
-full in rounds of their own), so a slow spell of a shared machine hits them all; each ratio is the median over rounds of (time / that round's plain
-forward). Full mode's write throughput is save_file's time for the same tensors over full mode's extra time
+full in rounds of their own), so a slow spell of a shared machine hits them all; each ratio is the median
+over rounds of (time / that round's plain forward). Before each run that writes, the last run's files are
+removed and the page cache is written out (untimed). Full mode's write throughput is save_file's time for the same tensors over full mode's extra time
 (full minus hash recording, same round); the shard writer alone is also timed against save_file. Bisect at
 scale is bench/bench_bisect.py.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -77,6 +79,17 @@ def main(argv=None) -> int:
     res: dict = {"model": "small" if args.small else "llama h512 L8 seq256 fp32", "torch": torch.__version__,
                  "hash_impl": IMPLEMENTATION}
 
+    def settle(*paths):
+        """Untimed, before each run that writes: remove the last run's files and write out every dirty page,
+        so no run pays for the writeback of the one before (on the project's VM the disk takes ~270 MB/s
+        and a few GB of dirty pages throttled whichever run came next, by up to 3x)."""
+        for p in paths:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        os.sync()
+
     def plain():
         with torch.no_grad():
             model(ids, use_cache=False)
@@ -94,7 +107,7 @@ def main(argv=None) -> int:
         def run():
             with torch.no_grad(), divtrace.record(model, out, mode=mode, ops=ops):
                 model(ids, use_cache=False)
-        run.setup = lambda: shutil.rmtree(out, ignore_errors=True)  # untimed: removing the last run's files
+        run.setup = lambda: settle(out)
         return run
 
     res["seconds"], res["ratio_vs_plain"], _ = rounds(
@@ -117,7 +130,7 @@ def main(argv=None) -> int:
     # Full-mode write throughput vs safetensors.save_file of the same tensors, two ways:
     # - recording: what full mode costs on top of hash mode (the forward and the hashing are in both), per round;
     # - shard writer alone: the same tensors, in the trace's own shards, written synchronously by write_shard
-    #   (sha256 included), against save_file of those shards, in interleaved rounds.
+    #   against save_file of those shards, in interleaved rounds.
     from safetensors.torch import save_file
     from divtrace.trace.writer import write_shard
 
@@ -136,6 +149,9 @@ def main(argv=None) -> int:
     def save_ours():
         for i, sh in enumerate(shards.values()):
             write_shard(tmp / f"ours-{i}.safetensors", sh)
+
+    save_ref.setup = lambda: settle(*(tmp / f"ref-{i}.safetensors" for i in range(len(shards))))
+    save_ours.setup = lambda: settle(*(tmp / f"ours-{i}.safetensors" for i in range(len(shards))))
 
     wsec, _, wrounds = rounds({"save_file": save_ref, "write_shard": save_ours}, max(3, args.repeats))
     t_save = wsec["save_file"]

@@ -683,8 +683,8 @@ def record(model, path, *, mode="full", ops=True, label=None, include=None, excl
     """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
 
     `flush_records` bounds how many records may be lost if the process is killed (they are written in
-    batches of that many). `shard_bytes` is the size of a full-mode shard; about twice that is held in memory
-    while one is written.
+    batches of that many). `shard_bytes` is the size of a full-mode shard file; full mode holds no tensor
+    bytes in memory (each value is written into the open shard when it is produced).
 
     Example::
 

@@ -1,15 +1,18 @@
-"""Full mode's write path: values copied into reused arenas, shards written on a background thread, big shards
-hashed beside the write. Every kept value must load back bit-exact, whatever the timing of the writer."""
+"""Full mode's write path: each value's bytes go into the open shard when the value is produced (`ShardFile`:
+data first, header at the end). Every stored value must load back bit-exact, with any safetensors reader."""
 from __future__ import annotations
 
-import hashlib
-import time
+import errno
+import json
+import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 import divtrace
 import divtrace.trace.writer as w
+from divtrace.errors import DivtraceError
 from divtrace.fingerprint import fingerprint
 from divtrace.trace.check import check_trace
 from divtrace.trace.reader import Trace
@@ -17,7 +20,7 @@ from divtrace.trace.reader import Trace
 
 class Mutating(torch.nn.Module):
     """Many mid-size activations, some overwritten in place right after they are recorded, some strided, and a
-    few odd dtypes: what the arena must copy exactly at the moment each value is produced."""
+    few odd dtypes: what the shard writer must take exactly at the moment each value is produced."""
 
     def __init__(self):
         super().__init__()
@@ -44,29 +47,44 @@ def _record(path, **kw):
     return rec, out
 
 
-def test_values_survive_arena_reuse_under_a_slow_writer(tmp_path, monkeypatch):
-    # A writer slower than the model: were an arena handed back before its shard was on disk, the next values
-    # would overwrite bytes still to be written, and the stored tensors would not match their fingerprints.
-    real = w.write_shard
-
-    def slow(path, tensors):
-        time.sleep(0.05)
-        return real(path, tensors)
-
-    monkeypatch.setattr(w, "write_shard", slow)
-    rec, out = _record(tmp_path / "t", shard_bytes=96 << 10, flush_records=8)
-    t = Trace(tmp_path / "t")
-    assert len(t.meta["shards"]) >= 6  # many shards: each arena went round several times
-    report = check_trace(t)
-    assert report["ok"], report["problems"]
-    assert report["tensors"] > 30
-    # The outputs as the caller got them, read back from the trace.
+def _outputs_match(t, out):
     root = [c for c in t.calls.values() if c.module == ""][0]
     got = {k: t.tensor(vid) for k, vid in root.outputs}
     for i, ref in enumerate(out):
         stored = got[f"out.{i}"]
         assert stored.dtype == ref.dtype and stored.shape == ref.shape
         assert torch.equal(stored.view(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("first_room", [256, 16 << 10])
+def test_header_room_overflow_finishes_the_shard_early(tmp_path, monkeypatch, first_room):
+    # A header room that fills after a few tensors: the shard is finished as it is and the next one gets more
+    # room. Records written after their shard; every shard a plain safetensors file.
+    monkeypatch.setattr(w, "_FIRST_ROOM", first_room)
+    rec, out = _record(tmp_path / "t", flush_records=10**6)
+    t = Trace(tmp_path / "t")
+    shards = t.meta["shards"]
+    assert (len(shards) >= 3) == (first_room == 256), shards
+    report = check_trace(t)
+    assert report["ok"], report["problems"]
+    assert report["tensors"] > 30
+    _outputs_match(t, out)
+    for name in shards:
+        raw = (tmp_path / "t" / name).read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])  # padded with spaces: still JSON
+        assert n % 8 == 0 and raw[8:8 + n].rstrip(b" ").endswith(b"}")
+        assert max(e["data_offsets"][1] for e in header.values()) == len(raw) - 8 - n
+        load_file(tmp_path / "t" / name)
+    assert not list((tmp_path / "t").glob(".*.tmp"))
+
+
+def test_small_shards_and_flushes(tmp_path):
+    rec, out = _record(tmp_path / "t", shard_bytes=96 << 10, flush_records=8)
+    t = Trace(tmp_path / "t")
+    assert len(t.meta["shards"]) >= 6
+    assert check_trace(t)["ok"]
+    _outputs_match(t, out)
 
 
 def test_in_place_write_after_recording_keeps_the_value_as_produced(tmp_path):
@@ -81,42 +99,26 @@ def test_in_place_write_after_recording_keeps_the_value_as_produced(tmp_path):
     assert torch.equal(after, before * 0.5) and not torch.equal(after, before)
 
 
-def test_arenas_are_released_at_close(tmp_path):
-    rec, _ = _record(tmp_path / "t", shard_bytes=96 << 10, flush_records=8)
-    assert rec.writer._arena is None and rec.writer._spare is None and rec.writer._inflight is None
-
-
-def test_big_shard_hashed_beside_the_write(tmp_path):
+def test_mixed_shard_loads_back(tmp_path):
     g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 7, generator=g).t()  # strided: written in logical order
+    z = torch.randn(4, generator=g, dtype=torch.float64).to(torch.complex128).conj()  # a lazy conjugate
     tensors = {"a": torch.randn(3 << 20, generator=g), "b": torch.randint(0, 2, (1000,), generator=g).bool(),
-               "c": torch.randn(5000, generator=g).to(torch.bfloat16)}
-    arena = w.Arena(1 << 20)
-    x = torch.randn(300, 7, generator=g).t()  # strided: copied by torch into the arena
-    tensors["d"] = arena.take(x, x.numel() * 4)
-    y = torch.arange(1000, dtype=torch.int64)
-    tensors["e"] = arena.take(y, 8000)  # contiguous: copied by memmove
-    assert sum(v.numel() * v.element_size() for v in tensors.values() if isinstance(v, torch.Tensor)) > w._SHA_BESIDE
-    digest, size = w.write_shard(tmp_path / "s.safetensors", tensors)
-    data = (tmp_path / "s.safetensors").read_bytes()
-    assert size == len(data) and digest == hashlib.sha256(data).hexdigest()
+               "c": torch.randn(5000, generator=g).to(torch.bfloat16), "d": x, "e": torch.arange(1000),
+               "f": torch.zeros(0), "g": z}
+    size = w.write_shard(tmp_path / "s.safetensors", tensors)
+    assert size == (tmp_path / "s.safetensors").stat().st_size
     back = load_file(tmp_path / "s.safetensors")
     assert torch.equal(back["a"], tensors["a"]) and torch.equal(back["b"], tensors["b"])
     assert torch.equal(back["c"].view(torch.int16), tensors["c"].view(torch.int16))
-    assert torch.equal(back["d"], x.reshape(-1)) and torch.equal(back["e"], y)
-
-
-def test_arena_refuses_what_does_not_fit():
-    arena = w.Arena(1000)
-    assert arena.take(torch.zeros(300), 1200) is None
-    a = arena.take(torch.ones(100), 400)
-    b = arena.take(torch.ones(100, dtype=torch.float64), 800)
-    assert a is not None and b is None  # 400 used, 64-aligned offset 448 + 800 > 1000
-    assert a.off == 0 and bytes(a.bytes_view()) == torch.ones(100).numpy().tobytes()
+    assert torch.equal(back["d"], x.reshape(-1)) and torch.equal(back["e"], tensors["e"])
+    assert back["f"].numel() == 0
+    assert torch.equal(back["g"].view(torch.complex128), z.resolve_conj())  # U8: no safetensors complex dtype
 
 
 def test_full_and_hash_fingerprints_agree(tmp_path):
-    # The arena copy must not change what is fingerprinted: both modes give every module output the same hash,
-    # and every stored tensor hashes to its recorded fingerprint.
+    # Writing the bytes must not change what is fingerprinted: both modes give every module output the same
+    # hash, and every stored tensor hashes to its recorded fingerprint.
     torch.manual_seed(0)
     m = Mutating()
     inp = torch.randn(128, 64)
@@ -131,3 +133,27 @@ def test_full_and_hash_fingerprints_agree(tmp_path):
     assert len(stored) > 30
     for vid in stored:
         assert fingerprint(b.tensor(vid))[0] == b.values[vid].hash
+
+
+def test_disk_full_while_a_value_is_written(tmp_path, monkeypatch):
+    # The failure comes from inside the forward (the value's bytes are written when produced): one-line error,
+    # the shard being filled removed, the trace readable and marked "error" with what was flushed before.
+    real = os.pwrite
+    calls = {"n": 0}
+
+    def pwrite(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] > 40:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(DivtraceError) as info:
+        _record(tmp_path / "t", shard_bytes=96 << 10, flush_records=8)
+    monkeypatch.undo()
+    msg = str(info.value)
+    assert "no space left on device" in msg and "\n" not in msg
+    t = Trace(tmp_path / "t")
+    assert t.meta["status"] == "error" and not t.complete and len(t.records) >= 8
+    assert check_trace(t)["problems"] == [f"{tmp_path / 't'}: trace is incomplete (status: error)"]
+    assert not list((tmp_path / "t").glob(".*.tmp"))

@@ -247,15 +247,15 @@ def test_disk_full_during_recording(tmp_path, monkeypatch, where):
         import divtrace.trace.writer as w
 
         calls = {"n": 0}
-        real = w.write_shard
+        real = w.ShardFile.finish
 
-        def shard(path, tensors):
+        def finish(shard):  # the second shard's header write
             calls["n"] += 1
             if calls["n"] > 1:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            return real(path, tensors)
+            return real(shard)
 
-        monkeypatch.setattr(w, "write_shard", shard)
+        monkeypatch.setattr(w.ShardFile, "finish", finish)
     else:
         _fail_writes(monkeypatch, "records.jsonl", after=2, partial=where == "records_partial")
     m = Tiny()

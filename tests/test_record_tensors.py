@@ -380,10 +380,9 @@ def test_as_strided_is_fingerprinted_by_its_bytes(tmp_path):
     assert r.verdict == "diverged" and r.first.module == ""
 
 
-def test_shards_are_plain_safetensors_with_their_recorded_sha256(tmp_path):
+def test_shards_are_plain_safetensors(tmp_path):
     # The writer streams shards itself (safetensors.save built each whole file in memory first): the files must
-    # stay what any safetensors reader loads, and their recorded sha256 must be the file's.
-    import hashlib
+    # stay what any safetensors reader loads, and the size it returns must be the file's.
     import json as _json
 
     from safetensors.torch import load_file
@@ -395,9 +394,9 @@ def test_shards_are_plain_safetensors_with_their_recorded_sha256(tmp_path):
                "i64": torch.arange(3), "bool": torch.tensor([True, False, True]), "empty": torch.zeros(0),
                "c128": torch.randn(2, generator=g, dtype=torch.float64).to(torch.complex128),
                "fp8": torch.randn(9, generator=g).to(torch.float8_e4m3fn)}
-    digest, size = write_shard(tmp_path / "s.safetensors", tensors)
+    size = write_shard(tmp_path / "s.safetensors", tensors)
     raw = (tmp_path / "s.safetensors").read_bytes()
-    assert digest == hashlib.sha256(raw).hexdigest() and size == len(raw)
+    assert size == len(raw)
     n = int.from_bytes(raw[:8], "little")
     assert n % 8 == 0 and _json.loads(raw[8:8 + n])["c128"]["dtype"] == "U8"  # no safetensors dtype: raw bytes
     back = load_file(tmp_path / "s.safetensors")

@@ -32,10 +32,51 @@ def test_closed_trace_carries_checksums(pair):
     a, _ = pair
     meta = json.loads((a / "meta.json").read_text())
     assert meta["checksums"]["records"]["sha256"] == hashlib.sha256((a / "records.jsonl").read_bytes()).hexdigest()
-    for name, digest in meta["checksums"]["shards"].items():
-        assert hashlib.sha256((a / name).read_bytes()).hexdigest() == digest
+    # Shards carry no digest of their own: every tensor in them is checked against its fingerprint.
+    assert meta["checksums"]["shards"] == {} and meta["shards"]
+    assert all(set(json.loads(line)) == {"records", "sha256"}
+               for line in (a / "checksums.jsonl").read_text().splitlines())
     Trace(a).verify_shards()
     assert cli("show", a, "--check")[0] == 0
+
+
+def _as_older_trace(path):
+    """What the writer made before shards lost their sha256: one per shard in meta.json's checksums."""
+    meta = json.loads((path / "meta.json").read_text())
+    meta["checksums"]["shards"] = {s: hashlib.sha256((path / s).read_bytes()).hexdigest() for s in meta["shards"]}
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def test_older_trace_shards_still_checked_against_their_sha256(pair, tmp_path):
+    old = copy_trace(pair[0], tmp_path / "old")
+    _as_older_trace(old)
+    Trace(old).verify_shards()
+    assert cli("show", old, "--check")[0] == 0
+    # A byte of the header's padding: no tensor changes, only the file's sha256 can tell.
+    s = shard(old)
+    raw = s.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    pad = raw.rindex(b"}", 8, 8 + n) + 1
+    if pad == 8 + n:  # no padding in this header: pad it, and record the padded file's sha256
+        raw = (n + 8).to_bytes(8, "little") + raw[8:8 + n] + b" " * 8 + raw[8 + n:]
+        s.write_bytes(raw)
+        _as_older_trace(old)
+        Trace(old).verify_shards()
+    flip_byte(s, pad)
+    with pytest.raises(DivtraceError, match="do not match the recorded sha256"):
+        Trace(old).verify_shards()
+
+
+def test_older_incomplete_trace_reads_its_shard_lines(pair, tmp_path):
+    # Before, checksums.jsonl also held one {"shard", "sha256", "bytes"} line per shard.
+    old = copy_trace(pair[0], tmp_path / "old")
+    edit_meta(old, status="running", complete=False, checksums=None)
+    s = shard(old)
+    line = json.dumps({"shard": s.name, "sha256": hashlib.sha256(b"other").hexdigest(), "bytes": s.stat().st_size})
+    (old / "checksums.jsonl").write_text(line + "\n" + (old / "checksums.jsonl").read_text())
+    t = Trace(old)
+    with pytest.raises(DivtraceError, match="do not match the recorded sha256"):
+        t.verify_shards()
 
 
 def test_corrupt_shard_bytes_with_intact_manifest(pair, tmp_path):
@@ -108,19 +149,22 @@ def test_truncated_records_and_shard(pair, tmp_path):
     assert cli("show", bad2, "--check")[0] == 1
 
 
-def test_record_pointing_to_a_missing_tensor(pair, tmp_path):
-    # A shard rewritten consistently (its checksum updated too) but without one tensor a record needs.
+@pytest.mark.parametrize("older", [False, True])
+def test_record_pointing_to_a_missing_tensor(pair, tmp_path, older):
+    # A shard rewritten as a valid file (in an older trace, its checksum updated too) without one tensor a
+    # record needs.
     bad = copy_trace(pair[0], tmp_path / "bad")
     s = shard(bad)
     tensors = load_file(str(s))
     dropped = sorted(tensors)[0]
     del tensors[dropped]
     save_file(tensors, str(s))
-    meta = json.loads((bad / "meta.json").read_text())
-    meta["checksums"]["shards"][s.name] = hashlib.sha256(s.read_bytes()).hexdigest()
-    (bad / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DivtraceError, match=f"has no tensor {dropped}"):
+    if older:
+        _as_older_trace(bad)
+    with pytest.raises(DivtraceError, match=f"has no tensor {dropped}" if older else f"tensor {dropped} missing"):
         Trace(bad).verify_shards()
+    code, out, err = cli("bisect", bad, pair[1], "--json")
+    assert code == 2 and "identical" not in out, (code, out, err)
     (bad / s.name).unlink()
     with pytest.raises(DivtraceError, match="shard missing"):
         Trace(bad).verify_shards()

@@ -1,8 +1,8 @@
 """`show --check`: verify a whole trace.
 
 Opening the trace already verified records.jsonl against its sha256 and validated every record. Here every
-shard file is checked against its sha256, and every stored tensor against its fingerprint (the two catch
-different things: a shard rewritten with its checksum, or a fingerprint bug)."""
+stored tensor is checked against its fingerprint (and, in older traces that carry one, every shard file
+against its sha256 first)."""
 from __future__ import annotations
 
 from divtrace.errors import DivtraceError

@@ -9,7 +9,7 @@ from pathlib import Path
 
 META = "meta.json"
 RECORDS = "records.jsonl"
-CHECKSUMS = "checksums.jsonl"  # sha256 of each shard and of records.jsonl after each flush
+CHECKSUMS = "checksums.jsonl"  # sha256 of records.jsonl after each flush (older traces: of each shard too)
 SHARD_PATTERN = "tensors-{:05d}.safetensors"
 SHARD_GLOB = "tensors-*.safetensors"
 

@@ -4,7 +4,8 @@ Nothing here trusts the files: a trace may be truncated, hand-edited, corrupted 
 version. Every problem is a DivtraceError naming the file (and line). records.jsonl is verified against its
 sha256 before it is parsed (from meta.json when the recording closed, else from checksums.jsonl, which also
 covers what a killed run left). Tensor bytes are checked against their fingerprint on every load, and
-`verify_shards()` checks whole shard files against their sha256 (what bisect needs before "identical").
+`verify_shards()` checks every stored tensor (what bisect needs before "identical"). Traces written before
+shards lost their sha256 (see trace/writer.write_shard) still have their shards checked against it.
 """
 from __future__ import annotations
 
@@ -827,9 +828,9 @@ class Trace:
 
     # integrity --------------------------------------------------------------------------------------------
     def shard_problems(self) -> list[str]:
-        """Every problem with the stored bytes: a shard missing, not matching its sha256, or lacking a tensor
-        a record points to. Shards with no recorded sha256 (checksums.jsonl lost) are checked tensor by tensor
-        against the fingerprints instead. Streams each file once; no tensor is deserialized when sums exist."""
+        """Every problem with the stored bytes: a shard missing, or a tensor a record points to missing or not
+        matching its fingerprint. Shards of older traces that carry a sha256 are checked against it instead
+        (a stream of each file; no tensor deserialized)."""
         by_shard: dict[str, list[int]] = {}
         for vid, (_, shard) in self.vblob.items():
             by_shard.setdefault(shard, []).append(vid)

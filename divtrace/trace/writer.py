@@ -1,19 +1,17 @@
 """TraceWriter: streams records and tensor bytes to disk as they are produced.
 
-Records are buffered together with the tensors they define. A flush first writes the pending tensors as one
-safetensors shard (atomically), then appends the records to records.jsonl. So every record on disk refers only
-to bytes already on disk, and a crash at any moment leaves a readable prefix.
+Full mode writes each new value's bytes into the open safetensors shard the moment the value is produced
+(`ShardFile`: data first, the header at the end), so nothing is held in memory and a later in-place write
+cannot change what was recorded. Records are buffered; a flush finishes the open shard (atomically: a temp
+file renamed into place), then appends the records to records.jsonl. So every record on disk refers only to
+bytes already on disk, and a crash at any moment leaves a readable prefix.
 
-In full mode the writes run on a background thread while the model goes on: the records are encoded on the
-caller's thread, then sha256 and the file writes (both release the GIL) run beside the forward. One flush is
-in flight at a time, in order, so memory stays bounded by about twice `shard_bytes`: the shard being written
-and the one filling up. A failed background write is raised at the next flush or at close.
-
-Integrity: before each append, `checksums.jsonl` gets the sha256 of every new shard and of records.jsonl as
-it will be after the append (a running digest). A reader verifies the records prefix a SIGKILL left behind,
-and any shard, from it. `close` also copies the final digests into meta.json. A failed write (disk full)
-stops the recording: records.jsonl is cut back to its last whole flush, the trace is marked "error" and a
-DivtraceError says what failed.
+Integrity: before each append, `checksums.jsonl` gets the sha256 of records.jsonl as it will be after the
+append (a running digest). A reader verifies the records prefix a SIGKILL left behind from it; `close` also
+copies the final digest into meta.json. Shard bytes are verified by the records: every stored tensor is
+content-addressed by its fingerprint, checked on every read. A failed write (disk full) stops the recording:
+records.jsonl is cut back to its last whole flush, the shard being filled is removed, the trace is marked
+"error" and a DivtraceError says what failed.
 """
 from __future__ import annotations
 
@@ -22,9 +20,8 @@ import errno
 import hashlib
 import json
 import os
-import queue
 import struct
-import threading
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +31,7 @@ from divtrace.errors import DivtraceError
 from divtrace.fingerprint import HASH_SCHEME, IMPLEMENTATION, dtype_name, fingerprint, flat_bytes
 from divtrace.records import FORMAT_VERSION, TensorValue, json_safe, record_compact
 from divtrace.trace.files import (CHECKSUMS, META, RECORDS, SHARD_GLOB, SHARD_PATTERN, atomic_write_json,
-                                  atomic_write_with, compact_encoder)
+                                  compact_encoder)
 
 # safetensors' names of the dtypes it stores (from the installed safetensors where it says, so a newer one's
 # additions are used); any other dtype is stored as its raw bytes (U8) and viewed back by the reader.
@@ -47,128 +44,120 @@ ST_NAMES = {dt: name for name, dt in _ST_TYPES.items()} or {
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-class Arena:
-    """Reused memory for the tensor bytes of one shard while it fills and is written.
-
-    Full mode must copy every new value at once (later code may overwrite it). A fresh allocation per copy
-    cost more than the rest of full mode together: the OS faults new pages in at ~1-1.7 GB/s on the machines
-    we measured, where a copy into memory already touched runs at ~15 GB/s. Two arenas alternate (one
-    filling, one being written), so a recording touches at most twice `shard_bytes` of new memory."""
-
-    __slots__ = ("buf", "view", "ptr", "used")
-
-    def __init__(self, nbytes: int) -> None:
-        self.buf = torch.empty(nbytes, dtype=torch.uint8)
-        self.view = memoryview(self.buf.numpy())
-        self.ptr = self.buf.data_ptr()
-        self.used = 0
-
-    def take(self, t: torch.Tensor, nbytes: int) -> "ArenaSlice | None":
-        """Copy `t`'s bytes in logical order into the arena, or None when they do not fit."""
-        off = -(-self.used // 64) * 64  # aligned for any element type
-        if off + nbytes > len(self.view):
-            return None
-        if t.device.type == "cpu" and t.is_contiguous():
-            # no torch op: inside the recorder's dispatch mode every op costs a Python round trip
-            ctypes.memmove(self.ptr + off, t.data_ptr(), nbytes)
-        else:
-            try:
-                self.buf[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
-            except RuntimeError:  # a dtype with no byte view
-                return None
-        self.used = off + nbytes
-        return ArenaSlice(self, off, nbytes, t.dtype, t.numel())
-
-
-class ArenaSlice:
-    """A kept tensor's bytes inside an Arena (flat, `numel` elements of `dtype`)."""
-
-    __slots__ = ("arena", "off", "nbytes", "dtype", "numel")
-
-    def __init__(self, arena: Arena, off: int, nbytes: int, dtype: torch.dtype, numel: int) -> None:
-        self.arena, self.off, self.nbytes, self.dtype, self.numel = arena, off, nbytes, dtype, numel
-
-    def bytes_view(self) -> memoryview:
-        return self.arena.view[self.off:self.off + self.nbytes]
-
-
-_SHA_BESIDE = 8 << 20  # shards at least this big are hashed on a second thread while they are written
-_CHUNK = 4 << 20
-
-
-def write_shard(path: Path, tensors: dict) -> tuple[str, int]:
-    """Write flat contiguous CPU tensors (or ArenaSlices) as one safetensors file, atomically; returns
-    (sha256, size).
-
-    The file is the format's 8-byte header length, JSON header (padded to 8 bytes) and the tensors' bytes
-    back to back, streamed straight from memory: `safetensors.torch.save` first builds the whole file in
-    memory, a copy that cost as much as the write itself. sha256 and the write both release the GIL, so a big
-    shard is hashed on a second thread beside the write."""
-    header, parts, offset = {}, [], 0
-    for key, t in tensors.items():
-        if isinstance(t, ArenaSlice):
-            dtype, numel, n, data = t.dtype, t.numel, t.nbytes, t.bytes_view()
-        else:
-            dtype, numel = t.dtype, t.numel()
-            n = numel * t.element_size()
-            data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if n else b""
-        name = ST_NAMES.get(dtype)
-        if name is None:
-            name, numel = "U8", n
-        header[key] = {"dtype": name, "shape": [numel], "data_offsets": [offset, offset + n]}
-        parts.append(data)
-        offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    head = struct.pack("<Q", len(head)) + head
-    digest = hashlib.sha256(head)
-
-    def fill(f):
-        f.write(head)
-        if offset < _SHA_BESIDE:
-            for data in parts:
-                digest.update(data)
-                f.write(data)
-            return
-        todo: queue.SimpleQueue = queue.SimpleQueue()
-
-        def hash_all():
-            while (chunk := todo.get()) is not None:
-                digest.update(chunk)
-
-        hasher = threading.Thread(target=hash_all, name="divtrace-sha256", daemon=True)
-        hasher.start()
-        try:
-            for data in parts:
-                for i in range(0, len(data), _CHUNK):
-                    chunk = data[i:i + _CHUNK]
-                    todo.put(chunk)
-                    f.write(chunk)
-        finally:
-            todo.put(None)
-            hasher.join()
-
-    atomic_write_with(path, fill, durable=False)  # its sha256 is recorded: a shard an OS crash cut short is caught
-    return digest.hexdigest(), len(head) + offset
-
-
 _ENCODE = compact_encoder()
+_FIRST_ROOM = 16 << 10  # header bytes reserved in a trace's first shard; each overflow quadruples it
+_MAX_ROOM = 64 << 20  # safetensors refuses headers over 100 MB
 
 
-class _Flush:
-    """One write job on its own thread (a thread per shard of 128 MiB: its start is noise beside the write)."""
+def _write_at(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
-    def __init__(self, writer: "TraceWriter", job) -> None:
-        self.error: BaseException | None = None
-        self.arena = job[4]
-        self.thread = threading.Thread(target=self._run, args=(writer, job), name="divtrace-writer", daemon=True)
-        self.thread.start()
 
-    def _run(self, writer, job) -> None:
+def _tensor_bytes(t: torch.Tensor):
+    """(buffer, owner): `t`'s bytes in logical order, and the tensor that holds them (keep it alive while the
+    buffer is used). A contiguous CPU tensor's own memory, with no torch op (none goes through the recorder's
+    dispatch mode); else a contiguous CPU copy."""
+    n = t.numel() * t.element_size()
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        return (ctypes.c_char * n).from_address(t.data_ptr()), t
+    flat = flat_bytes(t).cpu()
+    return (ctypes.c_char * n).from_address(flat.data_ptr()), flat
+
+
+def _entry(t: torch.Tensor, offset: int) -> dict:
+    n = t.numel() * t.element_size()
+    name, numel = ST_NAMES.get(t.dtype), t.numel()
+    if name is None:  # no safetensors dtype: its raw bytes, viewed back by the reader
+        name, numel = "U8", n
+    return {"dtype": name, "shape": [numel], "data_offsets": [offset, offset + n]}
+
+
+class ShardFile:
+    """One safetensors shard, written while its tensors are produced.
+
+    safetensors puts its header (names, dtypes, offsets) before the data, and the header is known only once
+    the shard is done. So the data goes first, after `room` bytes left for the header, and the header
+    (padded with spaces, which the format allows) is written at `finish`, before the temp file is renamed
+    into place. Each value's bytes thus go straight from the tensor into the file at the moment it is
+    produced: full mode holds no copy in memory. (Copying values into reused arenas for a background writer,
+    the design before, cost 2-4x `save_file`'s time on the project's VM: the arenas' fresh pages, the extra
+    copy, and a writer thread that fell behind on two cores.)"""
+
+    def __init__(self, path: Path, room: int) -> None:
+        self.path, self.room = path, room
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        self.fd: int | None = fd
+        self.header: dict = {}
+        self.header_len = 2  # "{}"
+        self.size = 0  # data bytes written
         try:
-            writer._write(job)
-        except BaseException as e:  # raised on the recording thread by TraceWriter._wait
-            self.error = e
+            os.fchmod(fd, 0o644)
+        except BaseException:
+            self.discard()
+            raise
+
+    def add(self, key: str, t: torch.Tensor) -> bool:
+        """Write `t`'s bytes; False (nothing written) when its header entry does not fit the room left."""
+        entry = _entry(t, self.size)
+        grow = len(_ENCODE({key: entry})) - 2 + (1 if self.header else 0)  # '"key":{...}' and a comma
+        if self.header_len + grow > self.room:
+            return False
+        n = entry["data_offsets"][1] - self.size
+        if n:
+            buf, owner = _tensor_bytes(t)
+            _write_at(self.fd, buf, 8 + self.room + self.size)
+            del buf, owner
+        self.header[key] = entry
+        self.header_len += grow
+        self.size += n
+        return True
+
+    def finish(self) -> int:
+        """Write the header and move the file into place (not fsynced: a shard an OS crash cut short fails its
+        tensors' fingerprints when read). Returns the file's size."""
+        head = _ENCODE(self.header).encode()
+        assert len(head) == self.header_len <= self.room, (len(head), self.header_len, self.room)
+        _write_at(self.fd, struct.pack("<Q", self.room) + head + b" " * (self.room - len(head)), 0)
+        os.close(self.fd)
+        self.fd = None
+        os.replace(self.tmp, self.path)
+        return 8 + self.room + self.size
+
+    def discard(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+
+
+def write_shard(path: Path, tensors: dict) -> int:
+    """Write tensors as one safetensors file (flat, in logical order), atomically, by the shard writer that
+    full mode uses; returns the file's size. No digest of the file is taken: every tensor in a trace's shard
+    is content-addressed by its fingerprint (the blob key), which the reader checks on every read. (A sha256
+    of each shard, taken before, made the writer 1.7x slower than `save_file` and caught nothing the
+    fingerprints miss.)"""
+    header, offset = {}, 0
+    for key, t in tensors.items():
+        header[key] = e = _entry(t, offset)
+        offset = e["data_offsets"][1]
+    shard = ShardFile(path, -(-len(_ENCODE(header)) // 8) * 8)
+    try:
+        for key, t in tensors.items():
+            if not shard.add(key, t):
+                raise AssertionError("header room")  # sized from the same entries above
+        return shard.finish()
+    except BaseException:
+        shard.discard()
+        raise
 
 
 def _record_line(rec, values: list[TensorValue]) -> str:
@@ -218,15 +207,10 @@ class TraceWriter:
         self._shard_bytes = shard_bytes
         self._flush_records = max(1, int(flush_records))
         self._pending_records: list = []
-        self._pending_tensors: dict = {}  # blob key -> torch.Tensor or ArenaSlice
-        self._pending_nbytes = 0
-        self._blobs: dict[str, str] = {}  # blob key -> shard file it lives in
-        self._shards: list[str] = []
-        self._shard_sums: dict[str, str] = {}
-        self._background = mode == "full"  # hash-mode flushes are small: written in place, no thread
-        self._inflight: _Flush | None = None
-        self._arena: Arena | None = None  # holds the pending tensors' bytes (full mode)
-        self._spare: Arena | None = None  # the last written shard's arena, free again
+        self._blobs: dict[str, str] = {}  # blob key -> shard file it lives in (or will, once finished)
+        self._shards: list[str] = []  # finished shards, in order
+        self._open: ShardFile | None = None  # the shard being filled (full mode)
+        self._room = _FIRST_ROOM
         self._records_sha = hashlib.sha256()
         self._records_size = 0  # bytes of records.jsonl known to be whole on disk
         self._sums_size = 0
@@ -257,9 +241,15 @@ class TraceWriter:
         return vid
 
     def new_value(self, t: torch.Tensor, producer: int | None, fp: tuple[str, dict] | None = None) -> TensorValue:
-        """Fingerprint `t` now (and keep a copy of its bytes in full mode), returning its new value. `fp` is
-        `fingerprint(t)` when the caller has just taken it."""
-        h, stats = fp if fp is not None else fingerprint(t)
+        """Fingerprint `t` now (and, in full mode, write its bytes into the open shard), returning its new
+        value. `fp` is `fingerprint(t)` when the caller has just taken it."""
+        src = t
+        if self.mode == "full" and fp is None and not (t.device.type == "cpu" and t.is_contiguous()):
+            # The bytes must be made contiguous (and on the CPU) to be written anyway: torch's copy is
+            # cache-blocked, and the fingerprint of the copy is the fingerprint of `t` (both read the logical
+            # order), where gathering a transposed weight element by element to hash it cost more than the copy.
+            src = flat_bytes(t).cpu()
+        h, stats = fp if fp is not None else fingerprint(src)
         dev = t.device
         v = TensorValue(self.take_vid(), dtype_name(t.dtype), list(t.shape), list(t.stride()), h,
                         dev.type if dev.index is None else str(dev), stats, producer, None, None,
@@ -267,26 +257,39 @@ class TraceWriter:
         if self.mode == "full":
             # Content-addressed: views, reshapes and copies of the same bytes share one blob.
             key = f"{v.dtype.removeprefix('torch.')}-{t.numel()}-{h}"
-            if key not in self._blobs and key not in self._pending_tensors:
-                self._pending_tensors[key] = self._keep(t, v.nbytes)
-                self._pending_nbytes += v.nbytes
-            v.blob = key
-            v.shard = self._blobs.get(key)  # filled at flush for pending blobs
+            shard = self._blobs.get(key)
+            v.blob, v.shard = key, shard if shard is not None else self._store(key, src)
         return v
 
-    def _keep(self, t: torch.Tensor, nbytes: int):
-        """A private copy of `t`'s bytes in logical order: in the filling arena when they fit, else their own."""
-        if nbytes and not (t.is_conj() or t.is_neg()):
-            if self._arena is None:
-                self._arena, self._spare = self._spare or Arena(self._shard_bytes), None
-                self._arena.used = 0
-            kept = self._arena.take(t, nbytes)
-            if kept is not None:
-                return kept
-        # `flat` is already a private copy when `t` was not contiguous; otherwise it aliases `t`.
-        flat = flat_bytes(t)
-        keep = flat if flat.data_ptr() != t.data_ptr() or flat.numel() == 0 else flat.clone()
-        return keep.to("cpu")
+    def _store(self, key: str, t: torch.Tensor) -> str:
+        """Write `t`'s bytes into the open shard now (later code may overwrite `t`); the shard's name."""
+        if self.failed:
+            raise DivtraceError(f"{self.path}: recording stopped after a failed write ({self.failed})")
+        try:
+            if self._open is None:
+                self._open = ShardFile(self.path / SHARD_PATTERN.format(len(self._shards)), self._room)
+            if not self._open.add(key, t):
+                # Its header is full: finish it as it is (the records pointing to it are written at the next
+                # flush, after it) and give the next shard more room.
+                self._finish_shard()
+                self._room = min(self._room * 4, _MAX_ROOM)
+                self._open = ShardFile(self.path / SHARD_PATTERN.format(len(self._shards)), self._room)
+                if not self._open.add(key, t):
+                    raise DivtraceError(f"{self.path}: blob key {key[:80]!r} too long for a shard header")
+        except OSError as e:
+            self._fail(e)
+        name = self._open.path.name
+        self._blobs[key] = name
+        return name
+
+    def _finish_shard(self) -> None:
+        shard, self._open = self._open, None
+        try:
+            self.bytes_written += shard.finish()
+        except BaseException:
+            shard.discard()
+            raise
+        self._shards.append(shard.path.name)
 
     # records --------------------------------------------------------------------------------------------
     def append(self, rec, values: list[TensorValue]) -> None:
@@ -294,25 +297,21 @@ class TraceWriter:
             raise DivtraceError(f"{self.path}: recording stopped after a failed write ({self.failed})")
         self._pending_records.append((rec, values))
         self.n_records += 1
-        if self._pending_nbytes >= self._shard_bytes or len(self._pending_records) >= self._flush_records:
+        if len(self._pending_records) >= self._flush_records or (
+                self._open is not None and self._open.size >= self._shard_bytes):
             self.flush()
 
-    def flush(self, wait: bool = False) -> None:
-        """Write what is pending; in full mode hand it to the background thread (`wait`: and wait for it)."""
+    def flush(self) -> None:
+        """Finish the open shard, then write the pending records after it."""
         if self.failed:
             return
         self.critical = True
         try:
-            job = self._take_pending()
-            if not self._background:
-                if job is not None:
-                    self._write(job)
-            else:
-                self._wait()  # one flush in flight: order on disk, and memory bounded
-                if job is not None:
-                    self._inflight = _Flush(self, job)
-                    if wait:
-                        self._wait()
+            if self._open is not None:
+                self._finish_shard()
+            data = self._take_records()
+            if data is not None:
+                self._write_records(*data)
         except OSError as e:
             self._fail(e)
         finally:
@@ -321,72 +320,35 @@ class TraceWriter:
             exc, self.deferred = self.deferred, None
             raise exc
 
-    def _wait(self) -> None:
-        """Wait for the flush in flight; raise what it raised."""
-        job = self._inflight
-        if job is not None:
-            job.thread.join()
-            self._inflight = None  # only once joined: an interrupt inside join() leaves it for close() to wait on
-            if job.error is not None:
-                raise job.error
-            if job.arena is not None:
-                self._spare = job.arena  # written: its memory may take the next shard
-
     def _fail(self, e: OSError) -> None:
         what = e.strerror or str(e)
         if e.errno == errno.ENOSPC:
             what = "no space left on device"
         self.failed = f"write failed: {what}"
-        self._pending_tensors, self._pending_records, self._pending_nbytes = {}, [], 0
-        self._arena = self._spare = None
-        self._shards = [s for s in self._shards if s in self._shard_sums]  # named, never written
+        self._pending_records = []
+        if self._open is not None:
+            self._open.discard()
+            self._open = None
         raise DivtraceError(f"{self.path}: {self.failed}; recording stopped, the trace keeps the "
                             f"{self.n_written} records written before and is marked incomplete") from None
 
-    def _take_pending(self):
-        """The pending shard and records as one write job (shard name, tensors, records bytes, record count),
-        or None. Runs on the caller's thread: it names the shard, encodes the records and ends the time in
-        which buffered records may be amended, so the job owns everything it holds."""
-        shard = tensors = data = arena = None
-        if self._pending_tensors:
-            shard, tensors = SHARD_PATTERN.format(len(self._shards)), self._pending_tensors
-            self._shards.append(shard)
-            for key in tensors:
-                self._blobs[key] = shard
-            self._pending_tensors, self._pending_nbytes = {}, 0
-            arena, self._arena = self._arena, None
+    def _take_records(self):
+        """(records bytes, count) of the pending records, or None; ends the time in which they may be amended."""
         n = len(self._pending_records)
-        if n:
-            lines = []
-            for rec, values in self._pending_records:
-                for v in values:
-                    if v.blob is not None and v.shard is None:
-                        v.shard = self._blobs[v.blob]
-                lines.append(_record_line(rec, values))
-            data = ("\n".join(lines) + "\n").encode()
-            self._written_vids_below = self._next_vid
-            self._pending_records = []
-        return None if shard is None and data is None else (shard, tensors, data, n, arena)
+        if not n:
+            return None
+        data = ("\n".join(_record_line(rec, values) for rec, values in self._pending_records) + "\n").encode()
+        self._written_vids_below = self._next_vid
+        self._pending_records = []
+        return data, n
 
-    def _write(self, job) -> None:
-        """Write one job: the shard, then the checksums, then the records. The only code that touches the files
-        and their digests while recording (on the background thread in full mode)."""
-        shard, tensors, data, n, _ = job
-        sums = []
-        if shard is not None:
-            digest, size = write_shard(self.path / shard, tensors)
-            self.bytes_written += size
-            self._shard_sums[shard] = digest
-            sums.append({"shard": shard, "sha256": digest, "bytes": size})
-        if data is None:
-            self._append_sums(sums)
-            return
+    def _write_records(self, data: bytes, n: int) -> None:
+        """The records checksum line, then the records."""
         running = self._records_sha.copy()
         running.update(data)
-        sums.append({"records": self._records_size + len(data), "sha256": running.hexdigest()})
         # The digest goes first: a crash between the two writes leaves a digest for bytes that never came,
         # which the reader skips, never bytes without a digest.
-        self._append_sums(sums)
+        self._append_sums([{"records": self._records_size + len(data), "sha256": running.hexdigest()}])
         self._append(self._records_fd, data, self._records_size)
         self._records_sha = running
         self._records_size += len(data)
@@ -420,19 +382,12 @@ class TraceWriter:
         self._closed = True
         flush_error = None
         try:
-            self.flush(wait=True)
+            self.flush()
         except BaseException as e:  # a failed write, or a signal held during the last write
             flush_error = e
-        try:
-            self._wait()  # a signal during the flush above left its write in flight
-        except OSError as e:
-            try:
-                self._fail(e)
-            except DivtraceError as err:
-                flush_error = flush_error or err
-        except BaseException as e:
-            flush_error = flush_error or e
-        self._arena = self._spare = None  # the recorder object may outlive the block: give the memory back
+        if self._open is not None:  # not finished (the flush failed): no records point to it, leave no temp file
+            self._open.discard()
+            self._open = None
         if self.failed:
             status, error = "error", self.failed
         for fd in (self._records_fd, self._sums_fd):
@@ -444,7 +399,7 @@ class TraceWriter:
         self.meta.update(status=status, complete=(status == "complete"), error=error, records=self.n_written,
                          shards=list(self._shards), finished=time.time(),
                          checksums={"records": {"sha256": self._records_sha.hexdigest(), "bytes": self._records_size},
-                                    "shards": dict(self._shard_sums)},
+                                    "shards": {}},  # no shard digests: see write_shard
                          **extra)
         try:
             atomic_write_json(self.path / META, json_safe(self.meta))
