@@ -157,3 +157,15 @@ def test_disk_full_while_a_value_is_written(tmp_path, monkeypatch):
     assert t.meta["status"] == "error" and not t.complete and len(t.records) >= 8
     assert check_trace(t)["problems"] == [f"{tmp_path / 't'}: trace is incomplete (status: error)"]
     assert not list((tmp_path / "t").glob(".*.tmp"))
+
+
+def test_check_reads_each_stored_tensor_once(tmp_path, monkeypatch):
+    # Shards without a sha256 have their tensors checked by shard_problems; check_trace must not read them again.
+    _record(tmp_path / "t", shard_bytes=96 << 10)
+    t = Trace(tmp_path / "t")
+    reads = []
+    real = Trace.tensor
+    monkeypatch.setattr(Trace, "tensor", lambda self, vid: reads.append(vid) or real(self, vid))
+    report = check_trace(t)
+    assert report["ok"], report["problems"]
+    assert len(reads) == report["tensors"] == len({b for b, _ in t.vblob.values()})

@@ -827,6 +827,10 @@ class Trace:
         return self._shards[name]
 
     # integrity --------------------------------------------------------------------------------------------
+    def shard_has_sha256(self, name: str) -> bool:
+        """Whether the shard carries a sha256 (traces written before shards lost it)."""
+        return name in self._shard_sums
+
     def shard_problems(self) -> list[str]:
         """Every problem with the stored bytes: a shard missing, or a tensor a record points to missing or not
         matching its fingerprint. Shards of older traces that carry a sha256 are checked against it instead
