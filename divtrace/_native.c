@@ -234,6 +234,20 @@ static INLINE void stats_fast_generic(state_t *st, const uint8_t *p, size_t nbyt
     }
 }
 
+/* Fold a vector kernel's per-lane min/max/sum (stored to arrays) into the running statistics. */
+#define DEFINE_FOLD(NAME, T)                                                                                   \
+    static INLINE void NAME(state_t *st, const T *l, const T *h, const T *a, int n) {                          \
+        double sum = 0.0;                                                                                      \
+        for (int e = 0; e < n; e++) {                                                                          \
+            st->lo = l[e] < st->lo ? l[e] : st->lo;                                                            \
+            st->hi = h[e] > st->hi ? h[e] : st->hi;                                                            \
+            sum += a[e];                                                                                       \
+        }                                                                                                      \
+        st->sum += sum;                                                                                        \
+    }
+DEFINE_FOLD(fold_lanes_f, float)
+DEFINE_FOLD(fold_lanes_d, double)
+
 #ifdef DIVTRACE_X86
 /* The same statistics for the AVX2 kernel, where min/max are single instructions: _mm256_min_ps(x, lo) returns
    lo when x is NaN, as `x < lo ? x : lo` does. */
@@ -377,26 +391,16 @@ __attribute__((target("avx2,f16c"))) static INLINE void block4_avx2_kind(state_t
     *s1 = r1 + ((uint64_t)c1 << 32);
     if (kind == ST_NONE)
         return;
-    double sum = 0.0;
     if (kind == ST_F64) {
         double l[4], h[4], a[4];
         _mm256_storeu_pd(l, dlo), _mm256_storeu_pd(h, dhi), _mm256_storeu_pd(a, ds);
-        for (int e = 0; e < 4; e++) {
-            st->lo = l[e] < st->lo ? l[e] : st->lo;
-            st->hi = h[e] > st->hi ? h[e] : st->hi;
-            sum += a[e];
-        }
+        fold_lanes_d(st, l, h, a, 4);
     } else {
         float l[16], h[16], a[16];
         _mm256_storeu_ps(l, flo), _mm256_storeu_ps(h, fhi), _mm256_storeu_ps(a, fs);
         _mm256_storeu_ps(l + 8, flo2), _mm256_storeu_ps(h + 8, fhi2), _mm256_storeu_ps(a + 8, fs2);
-        for (int e = 0; e < (kind == ST_F32 ? 8 : 16); e++) {
-            st->lo = l[e] < st->lo ? l[e] : st->lo;
-            st->hi = h[e] > st->hi ? h[e] : st->hi;
-            sum += a[e];
-        }
+        fold_lanes_f(st, l, h, a, kind == ST_F32 ? 8 : 16);
     }
-    st->sum += sum;
     if (j < n) /* the last few lanes of a tensor: their elements, one by one */
         stats_fast_generic(st, p + 4 * j, 4 * (n - j));
 }
@@ -462,26 +466,16 @@ AVX512_TARGET static INLINE void block4_avx512_kind(state_t *st, const uint8_t *
     *s1 = r1 + ((uint64_t)c1 << 32);
     if (kind == ST_NONE)
         return;
-    double sum = 0.0;
     if (kind == ST_F64) {
         double l[8], h[8], a[8];
         _mm512_storeu_pd(l, dlo), _mm512_storeu_pd(h, dhi), _mm512_storeu_pd(a, ds);
-        for (int e = 0; e < 8; e++) {
-            st->lo = l[e] < st->lo ? l[e] : st->lo;
-            st->hi = h[e] > st->hi ? h[e] : st->hi;
-            sum += a[e];
-        }
+        fold_lanes_d(st, l, h, a, 8);
     } else {
         float l[32], h[32], a[32];
         _mm512_storeu_ps(l, flo), _mm512_storeu_ps(h, fhi), _mm512_storeu_ps(a, fs);
         _mm512_storeu_ps(l + 16, flo2), _mm512_storeu_ps(h + 16, fhi2), _mm512_storeu_ps(a + 16, fs2);
-        for (int e = 0; e < (kind == ST_F32 ? 16 : 32); e++) {
-            st->lo = l[e] < st->lo ? l[e] : st->lo;
-            st->hi = h[e] > st->hi ? h[e] : st->hi;
-            sum += a[e];
-        }
+        fold_lanes_f(st, l, h, a, kind == ST_F32 ? 16 : 32);
     }
-    st->sum += sum;
     if (j < n) /* the last few lanes of a tensor: their elements, one by one */
         stats_fast_generic(st, p + 4 * j, 4 * (n - j));
 }
