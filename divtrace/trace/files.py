@@ -62,10 +62,22 @@ def atomic_write_json(path: Path, obj, durable: bool = True) -> None:
     atomic_write_bytes(path, (readable_json(obj) + "\n").encode(), durable)
 
 
+def temp_beside(path: Path) -> tuple[int, str]:
+    """(fd, name) of a new temp file in `path`'s directory, to be renamed over `path` when whole. Hidden and
+    ending in ".tmp", so `prepare_trace_dir` clears what a killed run left."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    return fd, tmp
+
+
 def atomic_write_with(path: Path, fill, durable: bool) -> None:
     """Like atomic_write_bytes, with `fill(f)` writing the contents to the open temp file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, 0o644)
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             fill(f)

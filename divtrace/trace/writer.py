@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from divtrace.errors import DivtraceError
 from divtrace.fingerprint import HASH_SCHEME, IMPLEMENTATION, dtype_name, fingerprint, flat_bytes
 from divtrace.records import FORMAT_VERSION, TensorValue, json_safe, record_compact
 from divtrace.trace.files import (CHECKSUMS, META, RECORDS, SHARD_GLOB, SHARD_PATTERN, atomic_write_json,
-                                  compact_encoder)
+                                  compact_encoder, temp_beside)
 
 # safetensors' names of the dtypes it stores (from the installed safetensors where it says, so a newer one's
 # additions are used); any other dtype is stored as its raw bytes (U8) and viewed back by the reader.
@@ -88,16 +87,11 @@ class ShardFile:
 
     def __init__(self, path: Path, room: int) -> None:
         self.path, self.room = path, room
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        self.fd: int | None = fd
+        self.fd: int | None
+        self.fd, self.tmp = temp_beside(path)
         self.header: dict = {}
         self.header_len = 2  # "{}"
         self.size = 0  # data bytes written
-        try:
-            os.fchmod(fd, 0o644)
-        except BaseException:
-            self.discard()
-            raise
 
     def add(self, key: str, t: torch.Tensor) -> bool:
         """Write `t`'s bytes; False (nothing written) when its header entry does not fit the room left."""
@@ -263,8 +257,7 @@ class TraceWriter:
 
     def _store(self, key: str, t: torch.Tensor) -> str:
         """Write `t`'s bytes into the open shard now (later code may overwrite `t`); the shard's name."""
-        if self.failed:
-            raise DivtraceError(f"{self.path}: recording stopped after a failed write ({self.failed})")
+        self._refuse_after_failure()
         try:
             if self._open is None:
                 self._open = ShardFile(self.path / SHARD_PATTERN.format(len(self._shards)), self._room)
@@ -292,9 +285,12 @@ class TraceWriter:
         self._shards.append(shard.path.name)
 
     # records --------------------------------------------------------------------------------------------
-    def append(self, rec, values: list[TensorValue]) -> None:
+    def _refuse_after_failure(self) -> None:
         if self.failed:
             raise DivtraceError(f"{self.path}: recording stopped after a failed write ({self.failed})")
+
+    def append(self, rec, values: list[TensorValue]) -> None:
+        self._refuse_after_failure()
         self._pending_records.append((rec, values))
         self.n_records += 1
         if len(self._pending_records) >= self._flush_records or (
