@@ -7,9 +7,9 @@ tensor hashes (torch.hash_tensor) on the same forward.
 The configurations run in rounds (plain, DebugMode, hash ops, hash modules, then again; then plain, hash ops,
 full in rounds of their own), so a slow spell of a shared machine hits them all; each ratio is the median
 over rounds of (time / that round's plain forward). Before each run that writes, the last run's files are
-removed and the page cache is written out (untimed). Full mode's write throughput is save_file's time for the same tensors over full mode's extra time
-(full minus hash recording, same round); the shard writer alone is also timed against save_file. Bisect at
-scale is bench/bench_bisect.py.
+removed and the page cache is written out (untimed). Full mode's write throughput is save_file's time for the
+same tensors over full mode's extra time (full minus hash recording, same round); the shard writer alone is
+also timed against save_file. Bisect at scale is bench/bench_bisect.py.
 
     python bench/bench_record.py [--repeats 7] [--json out.json] [--small]
 """
