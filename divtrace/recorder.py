@@ -23,7 +23,6 @@ Defined behaviour at the edges:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import math
 import re
@@ -41,26 +40,15 @@ from divtrace.errors import DivtraceError
 from divtrace.fingerprint import dtype_name, fingerprint
 from divtrace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue
 from divtrace.settings import numerics_settings, run_environment
-from divtrace.trace.files import compact_encoder
 from divtrace.trace.writer import TraceWriter
+from divtrace.views import DERIVABLE_VIEWS, REORDERING, rebuildable, view_fingerprint
 
 _STATE = threading.local()  # shared by all recorders: while one does its own bookkeeping, none records
 _ACTIVE_MODELS: set[int] = set()
 _ACTIVE: list = []  # recorders inside their `with` block, any thread
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _MAX_DEPTH = 8
-# Strided views whose fingerprint hash mode derives from their input's instead of copying them (_derived_view):
-# each one's values are a function of its input's logical values and its arguments. Not as_strided: it reads
-# the storage, so two inputs with equal values in different layouts give different results.
-_DERIVABLE_VIEWS = {f"aten.{n}" for n in ("t.default", "transpose.int", "permute.default", "expand.default",
-                                          "slice.Tensor", "select.int", "diagonal.default", "unfold.default",
-                                          "unsqueeze.default", "squeeze.dim", "view.default",
-                                          "numpy_T.default", "mT.default", "alias.default")}
 _SEQ = itertools.count()
-# The derived-view key, as json.dumps(..., default=str, separators=(",", ":")) writes it (built once: json.dumps
-# builds an encoder per call). Changing the key changes every derived fingerprint, as a new hash scheme would.
-_VIEW_KEY_JSON = compact_encoder(default=str, allow_nan=True)
-_VID_JSON = re.compile(r'\{"\$v":\d+\}')
 
 
 class RecordingTerminated(KeyboardInterrupt):
@@ -127,11 +115,16 @@ def op_tensors(obj, out: list, depth: int = 0) -> list:
     return out
 
 
+def _arg_vids(enc_args) -> list[int]:
+    return [a["$v"] for a in enc_args if type(a) is dict and "$v" in a]
+
+
 def copy_value(v: TensorValue, **changes) -> TensorValue:
     """`dataclasses.replace` for the hot path (it costs several times a plain constructor call)."""
     return TensorValue(changes.get("vid", v.vid), v.dtype, changes.get("shape", v.shape),
                        changes.get("stride", v.stride), changes.get("hash", v.hash), v.device,
-                       changes.get("stats", v.stats), changes.get("producer", v.producer), v.blob, v.shard, v.nbytes)
+                       changes.get("stats", v.stats), changes.get("producer", v.producer), changes.get("blob", v.blob),
+                       changes.get("shard", v.shard), changes.get("nbytes", v.nbytes), changes.get("derived", v.derived))
 
 
 class TensorTable:
@@ -367,11 +360,12 @@ class Recorder:
                 break  # same bytes, other values (conj(), a lazy negation): hash them
             if (t.is_contiguous() and src.is_contiguous()) or (src.shape == t.shape and src.stride() == t.stride()):
                 e = self._tensors.get(src)
-                if e is not None and e[1] == self._version(src):
+                # (an alias of a derived view is derived again from its own op, or hashed: it has no bytes to share)
+                if e is not None and e[1] == self._version(src) and e[0] not in self._derived:
                     v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
                                    stride=list(t.stride()))
                 break
-        if v is None and self.mode == "hash" and op in _DERIVABLE_VIEWS and not t.is_contiguous():
+        if v is None and op in DERIVABLE_VIEWS and not t.is_contiguous():
             v = self._derived_view(t, producer, inputs, op, enc_args)
         if v is None:
             v = self.writer.new_value(t, producer=producer)
@@ -395,37 +389,36 @@ class Recorder:
         return None
 
     def _derived_view(self, t, producer, inputs, op, enc_args):
-        """Hash mode: a strided view (w.t(), a transpose, an expand) of a known value gets a fingerprint derived
-        from the op, its arguments and the input's fingerprint, instead of a copy and a hash of its bytes (the
-        transposed weights alone were a quarter of the recording time). Equal derived fingerprints imply equal
-        bytes (same op on the same bytes), so no false "identical" can come of it; a value that reaches a module
-        boundary is hashed for real there (`_real_hash`), where the other side may hold the same bytes made
-        another way."""
+        """A strided view (w.t(), a transpose, an expand) of a known value: a fingerprint derived from the op, its
+        arguments and the input's fingerprint (divtrace.views), instead of a copy and a hash of its bytes; in
+        full mode no bytes either (a reader rebuilds them from the op). A value that reaches a module boundary
+        is hashed (and stored) for real there (`_real_hash`), where the other side may hold the same bytes
+        made another way."""
         src = self._alias_source(t, inputs)
         e = self._tensors.get(src) if src is not None else None
         if e is None or e[1] != self._version(src):
             return None
-        # vids are per trace: mask them so both sides derive the same fingerprint from the same op and bytes
-        consts = _VIEW_KEY_JSON(enc_args)
-        consts = _VID_JSON.sub("T", consts)
-        key = _VIEW_KEY_JSON([op, e[2].hash, e[2].dtype, list(t.shape), consts])
-        h = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
-        stats = e[2].stats if op.split(".")[1] in ("t", "transpose", "permute", "numpy_T", "mT") else {}
+        if self.mode == "full" and not (rebuildable(enc_args, {}) and e[0] in _arg_vids(enc_args)):
+            return None  # a reader could not rebuild it from the op: store its bytes
+        h = view_fingerprint(op, e[2].hash, e[2].dtype, list(t.shape), enc_args)
+        stats = e[2].stats if op.split(".")[1] in REORDERING else {}
         v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
-                       stride=list(t.stride()), hash=h, stats=stats)
+                       stride=list(t.stride()), hash=h, stats=stats, blob=None, shard=None, derived=True,
+                       nbytes=t.numel() * t.element_size())
         self._derived.add(v.vid)
         return v
 
     def _real_hash(self, t, entry):
-        """Give a derived-view value its real fingerprint before a module boundary compares it, in place when
-        its record is still buffered; else a fresh value (the bytes are the same, only its producer is lost)."""
+        """Give a derived-view value its real fingerprint (and in full mode its bytes) before a module boundary
+        compares it, in place when its record is still buffered; else a fresh value (the bytes are the same,
+        only its producer is lost)."""
         v = entry[2]
         if v.vid not in self._derived:
             return entry
         self._derived.discard(v.vid)
         if self.writer.is_buffered(v.vid):
             fresh = self.writer.new_value(t, producer=v.producer)
-            v.hash, v.stats = fresh.hash, fresh.stats
+            v.hash, v.stats, v.blob, v.shard, v.derived = fresh.hash, fresh.stats, fresh.blob, fresh.shard, False
             return entry
         return None
 

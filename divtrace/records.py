@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: full-mode values may be derived views ("r") with no bytes of their own
 
 
 def json_safe(x):
@@ -37,6 +37,7 @@ class TensorValue:
     blob: str | None = None  # safetensors key (full mode), content-addressed: equal bytes share a blob
     shard: str | None = None
     nbytes: int = 0
+    derived: bool = False  # `hash` is derived from the producing view op's input (divtrace.views): no bytes of its own
 
     @property
     def numel(self) -> int:
@@ -173,6 +174,8 @@ def _value_compact(v: TensorValue) -> dict:
     if v.blob is not None:
         d["b"] = v.blob
         d["f"] = v.shard
+    if v.derived:
+        d["r"] = 1
     return d
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from divtrace.cli.app import main
+from divtrace.records import FORMAT_VERSION
 from helpers import EXAMPLE, ROOT, record_model
 
 ENTRY = str(EXAMPLE)
@@ -61,7 +62,7 @@ def test_show(traces, capsys):
     capsys.readouterr()
     assert main(["show", str(traces / "train"), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["meta"]["label"] == "train" and s["meta"]["format_version"] == 1 and s["complete"] is True
+    assert s["meta"]["label"] == "train" and s["meta"]["format_version"] == FORMAT_VERSION and s["complete"] is True
     assert s["meta"]["entry"].endswith("llama_pair.py:training") and s["ops"] > 0 and s["stored_bytes"] > 0
     assert {"module": "model.layers.0.self_attn", "class": "Attention", "calls": 1} in s["module_tree"] or any(
         r["module"] == "model.layers.0.self_attn" and r["calls"] == 1 for r in s["module_tree"])

@@ -139,15 +139,18 @@ def test_disk_full_while_a_value_is_written(tmp_path, monkeypatch):
     # The failure comes from inside the forward (the value's bytes are written when produced): one-line error,
     # the shard being filled removed, the trace readable and marked "error" with what was flushed before.
     real = os.pwrite
-    calls = {"n": 0}
+    calls = {"n": 0, "fail_after": None}
 
     def pwrite(fd, data, offset):
         calls["n"] += 1
-        if calls["n"] > 40:
+        if calls["fail_after"] is not None and calls["n"] > calls["fail_after"]:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
+    _record(tmp_path / "count", shard_bytes=96 << 10, flush_records=8)  # how many writes a whole run makes
+    assert calls["n"] > 20
+    calls.update(fail_after=calls["n"] // 2, n=0)  # fail halfway through the forward
     with pytest.raises(DivtraceError) as info:
         _record(tmp_path / "t", shard_bytes=96 << 10, flush_records=8)
     monkeypatch.undo()

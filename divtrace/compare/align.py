@@ -97,6 +97,15 @@ class ValueComparator:
         self._seen: dict[int, int] = {}  # bitwise: va -> the first vb it was compared with
         self._seen_more: set[tuple[int, int]] = set()  # bitwise: pairs whose va was seen with another vb
         self._ka, self._kb = a.vkey, b.vkey
+        # Full mode on both sides: a view's derived fingerprint that differs from the other side's is settled
+        # from the bytes (the other side may have made the same bytes another way).
+        self._views = a.mode == "full" and b.mode == "full" and bool(a.vderived or b.vderived)
+
+    def _view_equal(self, va: int, vb: int) -> bool:
+        """Fingerprints differ: whether the bytes are equal all the same (a derived view's, full mode)."""
+        ka, kb = self._ka[va], self._kb[vb]
+        return (self._views and (va in self.a.vderived or vb in self.b.vderived) and ka[0] == kb[0]
+                and ka[1] == kb[1] and self.a.real_key(va) == self.b.real_key(vb))
 
     @property
     def values_available(self) -> bool:
@@ -104,7 +113,7 @@ class ValueComparator:
 
     def same(self, va: int, vb: int) -> bool:
         if self.tol is None:
-            equal = self._ka[va] == self._kb[vb]  # (dtype, shape, hash) of each
+            equal = self._ka[va] == self._kb[vb] or self._view_equal(va, vb)  # (dtype, shape, hash) of each
             if self._new_pair(va, vb):
                 self.compared += 1
                 self.bitwise_differs += not equal
@@ -128,7 +137,7 @@ class ValueComparator:
         """With a tolerance: compare a pair not seen before (each distinct pair counts once in `compared`)."""
         va, vb = key
         self.compared += 1
-        bitwise = self._ka[va] == self._kb[vb]
+        bitwise = self._ka[va] == self._kb[vb] or self._view_equal(va, vb)
         result = bitwise
         if not bitwise:
             self.bitwise_differs += 1
@@ -141,11 +150,11 @@ class ValueComparator:
         """The first (va, vb) of `pairs` (an iterable of 2-tuples) that `same` says differ, or None."""
         if self.tol is not None:
             return next(((va, vb) for va, vb in pairs if not self.same(va, vb)), None)
-        ka, kb, seen = self._ka, self._kb, self._seen
+        ka, kb, seen, views = self._ka, self._kb, self._seen, self._views
         new = 0
         try:
             for va, vb in pairs:  # same(), inlined: this loop sees every op output of the run
-                equal = ka[va] == kb[vb]
+                equal = ka[va] == kb[vb] or (views and self._view_equal(va, vb))
                 prev = seen.get(va, _NONE)
                 if prev is _NONE:
                     seen[va] = vb

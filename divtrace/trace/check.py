@@ -2,7 +2,8 @@
 
 Opening the trace already verified records.jsonl against its sha256 and validated every record. Here every
 stored tensor is checked against its fingerprint (and, in older traces that carry one, every shard file
-against its sha256 first)."""
+against its sha256 first), and every view stored as "rebuild from the op" against the fingerprint derived from
+its op and input."""
 from __future__ import annotations
 
 from divtrace.errors import DivtraceError
@@ -24,6 +25,8 @@ def check_trace(t) -> dict:
             t.tensor(vid)
         except DivtraceError as e:
             problems.append(str(e))
+    if t.mode == "full":  # views stored as "rebuild from the op": the op and fingerprint must agree
+        problems += [p for p in map(t.derived_problem, sorted(t.vderived)) if p]
     if not t.verified:
         problems += t.warnings
     if not t.complete:

@@ -143,7 +143,9 @@ class Trace:
       record that defines it; `vsrc[vid]`: for any other value, the record that defines it;
     - per record: `rcall` (its call_id); for op records `rop` (op name), `rin` (input vids) and `rout` (output
       vids), None for module enter/exit records (which of the two: `calls[rcall[i]].enter_index == i`);
-    - `vblob[vid]`: (blob, shard) of each value with stored bytes (full mode).
+    - `vblob[vid]`: (blob, shard) of each value with stored bytes (full mode);
+    - `vderived`: values whose hash is derived from their producing view op's input (divtrace.views); in full
+      mode their bytes are rebuilt from that op.
 
     Every field of every record is validated when the trace is opened, whichever reader builds this.
     """
@@ -171,6 +173,8 @@ class Trace:
         self.vprod: dict[int, int] = {}
         self.vsrc: dict[int, int] = {}
         self.vblob: dict[int, tuple[str, str]] = {}
+        self.vderived: set[int] = set()
+        self._real_keys: dict[int, tuple] = {}
         self.rcall: list[int] = []
         self.rop: list = []
         self.rin: list = []
@@ -371,7 +375,7 @@ class Trace:
         a dict fails at its first lookup: a list has no .get, ["v"] of a list or string raises); the hashes,
         shapes and strides are checked in one pass at the end."""
         full = self._full
-        vkey, vsrc, vprod, vblob = self.vkey, self.vsrc, self.vprod, self.vblob
+        vkey, vsrc, vprod, vblob, vderived = self.vkey, self.vsrc, self.vprod, self.vblob, self.vderived
         calls, open_, counts = self.calls, self._open, self._call_counts
         rcall, rop, rin, rout = (x.append for x in (self.rcall, self.rop, self.rin, self.rout))
         info_of = _DTYPE_INFO.get
@@ -401,16 +405,21 @@ class Trace:
                     # optional keys need not be looked up one by one then.
                     nk = len(vd)
                     if nk == 5 and "m" in vd:
-                        stride = producer = device = blob = shard = None
+                        stride = producer = device = blob = shard = derived = None
                         m = vd["m"]
                     elif nk == 6 and "p" in vd and "m" in vd:
-                        stride = device = blob = shard = None
+                        stride = device = blob = shard = derived = None
                         producer, m = vd["p"], vd["m"]
                     else:
                         stride, producer, device, m = vd.get("t"), vd.get("p"), vd.get("dev", "cpu"), vd.get("m")
-                        blob, shard = vd.get("b"), vd.get("f")
+                        blob, shard, derived = vd.get("b"), vd.get("f"), vd.get("r")
                         if type(device) is not str:
                             return False
+                        if derived is not None:
+                            if derived != 1 or type(derived) is not int or producer is None or blob is not None \
+                                    or shard is not None:
+                                return False
+                            vderived.add(vid)
                     if stride is not None:
                         if type(stride) is not list or len(stride) != len(shape):
                             return False
@@ -427,7 +436,7 @@ class Trace:
                             return False
                     elif type(vd.get("M", {})) is not dict:
                         return False
-                    if full:
+                    if full and derived is None:
                         if type(blob) is not str or type(shard) is not str or shard_ok(shard) is None:
                             return False
                         vblob[vid] = (blob, shard)
@@ -513,6 +522,8 @@ class Trace:
                 self.vsrc[vid] = self._defined_at[vid]
             if v.blob is not None:
                 self.vblob[vid] = (v.blob, v.shard)
+            if v.derived:
+                self.vderived.add(vid)
 
     # building records and values from the verified bytes (fast reader) --------------------------------------
     def _parsed_around(self, index: int) -> tuple[int, list]:
@@ -564,7 +575,7 @@ class Trace:
             vid = vd["v"]
             if vid not in cache:
                 cache[vid] = TensorValue(vid, info[0], shape, stride, vd["h"], vd.get("dev", "cpu"), stats,
-                                         vd.get("p"), vd.get("b"), vd.get("f"), prod(shape) * info[1])
+                                         vd.get("p"), vd.get("b"), vd.get("f"), prod(shape) * info[1], "r" in vd)
         k, call_id = d["k"], d["c"]
         if k == "o":
             rec = OpRecord(index, call_id, d["op"], d["a"], d.get("kw", {}), d["in"], d["out"], d["o"])
@@ -644,15 +655,19 @@ class Trace:
             raise DivtraceError(f"{loc}: tensor value {vid} names producer {producer!r}, not this record"[:300])
         device = d.get("dev", "cpu")
         stats = stats_from_compact(d)
-        blob, shard = d.get("b"), d.get("f")
+        blob, shard, derived = d.get("b"), d.get("f"), d.get("r")
         if type(device) is not str or type(stats) is not dict:
             raise DivtraceError(f"{loc}: malformed tensor value {vid}"[:300])
-        if self._full:
+        if derived is not None:
+            if derived != 1 or type(derived) is not int or producer is None or blob is not None or shard is not None:
+                raise DivtraceError(f"{loc}: tensor value {vid}: malformed derived-view mark (r)"[:300])
+        elif self._full:
             if type(blob) is not str or type(shard) is not str or _SHARD_NAME.match(shard) is None:
                 raise DivtraceError(f"{loc}: tensor value {vid} has no valid stored bytes in a full-mode trace")
         elif blob is not None or shard is not None:
             raise DivtraceError(f"{loc}: tensor value {vid} points to stored bytes in a hash-mode trace")
-        return TensorValue(vid, full_name, shape, stride, h, device, stats, producer, blob, shard, n * dtype[1])
+        return TensorValue(vid, full_name, shape, stride, h, device, stats, producer, blob, shard, n * dtype[1],
+                           derived is not None)
 
     @staticmethod
     def _pairs(pairs, loc: str, what: str) -> list[tuple[str, int]]:
@@ -773,9 +788,21 @@ class Trace:
         return self.meta["hash_scheme"]
 
     def has_bytes(self, vid: int) -> bool:
+        """Whether the trace can give `vid`'s bytes: stored, or (full mode) rebuilt from a view op."""
         if vid not in self.vkey:
             raise KeyError(vid)
-        return vid in self.vblob
+        return vid in self.vblob or (self._full and vid in self.vderived)
+
+    def real_key(self, vid: int) -> tuple:
+        """`vkey[vid]`, with the real fingerprint of the bytes where the recorded one is derived from a view op
+        (full mode; the bytes are rebuilt once and the key kept)."""
+        if vid not in self.vderived or not self._full:
+            return self.vkey[vid]
+        key = self._real_keys.get(vid)
+        if key is None:
+            dtype, shape, _ = self.vkey[vid]
+            key = self._real_keys[vid] = (dtype, shape, self._hash(self.tensor(vid)))
+        return key
 
     def roots(self) -> list[ModuleCall]:
         return [c for c in self.calls.values() if c.parent is None]
@@ -792,6 +819,8 @@ class Trace:
         import torch
 
         v = self.values[vid]
+        if v.derived and self._full:
+            return self._rebuilt(vid, v)
         if v.blob is None:
             raise DivtraceError(f"{self.path}: value {vid} has no stored bytes (trace recorded with mode='hash')")
         where = self.path / v.shard
@@ -811,6 +840,39 @@ class Trace:
         if self._hash(t) != v.hash:
             raise DivtraceError(f"{where}: tensor {v.blob} is corrupt (bytes do not match the recorded "
                                 "fingerprint)")
+        return t
+
+    def derived_problem(self, vid: int) -> str | None:
+        """Why the derived-view value `vid` cannot be rebuilt from its producing op, or None: the op must be a
+        view divtrace derives, with one input, and the recorded fingerprint must be the one derived from them."""
+        from divtrace.views import DERIVABLE_VIEWS, rebuildable, view_fingerprint
+
+        v = self.values[vid]
+        rec = self.records[v.producer]
+        where = f"{self.path}: value {vid} (derived from record {v.producer}, {rec.op})"
+        if rec.op not in DERIVABLE_VIEWS or not rebuildable(rec.args, rec.kwargs) or len(set(rec.inputs)) != 1:
+            return f"{where}: not a view divtrace rebuilds"
+        src = self.values[rec.inputs[0]]
+        if view_fingerprint(rec.op, src.hash, src.dtype, v.shape, rec.args) != v.hash:
+            return f"{where}: corrupt (its fingerprint is not the one derived from the op and its input)"
+        return None
+
+    def _rebuilt(self, vid: int, v: TensorValue):
+        """A view value of a full-mode trace, rebuilt by applying its recorded view op to the input's bytes."""
+        from divtrace.views import rebuild_view
+
+        problem = self.derived_problem(vid)
+        if problem:
+            raise DivtraceError(problem)
+        rec = self.records[v.producer]
+        try:
+            t = rebuild_view(rec.op, rec.args, self.tensor(rec.inputs[0]))
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            raise DivtraceError(f"{self.path}: value {vid}: cannot rebuild it with {rec.op} "
+                                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        if torch_dtype(v.dtype) != t.dtype or list(t.shape) != v.shape:
+            raise DivtraceError(f"{self.path}: value {vid}: {rec.op} rebuilt dtype/shape {t.dtype}/{list(t.shape)}, "
+                                f"the record says {v.dtype}/{v.shape}")
         return t
 
     def _open_shard(self, name, vid):

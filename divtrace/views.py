@@ -1,0 +1,82 @@
+"""Strided views whose fingerprint is derived from their input's, and how a reader rebuilds their bytes.
+
+A view op (`w.t()`, a transpose, an expand, a slice) of a recorded value produces values that are a function of
+the input's logical values and the op's constant arguments. Hashing such a view means gathering its bytes one
+stride at a time (the transposed weights alone were a quarter of a hash recording), and storing it in full mode
+means a contiguous copy and its bytes again (170 MB of a 592 MB trace of the bench model). So the recorder gives
+it a fingerprint derived from the op, its constant arguments and the input's fingerprint (`view_fingerprint`),
+marks it `derived`, and full mode stores no bytes for it: a reader applies the same aten op to the input's
+stored bytes (`rebuild_view`) and checks the result against the derived fingerprint.
+
+Equal derived fingerprints imply equal bytes (the same op on the same bytes), so no false "identical" can come
+of it; the bytes of a view made another way on the other side compare unequal by fingerprint, which the
+comparison resolves from the bytes where a trace holds them. Not `as_strided`: it reads the storage, so two
+inputs with equal values in different layouts give different results.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+
+from divtrace.trace.files import compact_encoder
+
+DERIVABLE_VIEWS = frozenset(f"aten.{n}" for n in (
+    "t.default", "transpose.int", "permute.default", "expand.default", "slice.Tensor", "select.int",
+    "diagonal.default", "unfold.default", "unsqueeze.default", "squeeze.dim", "view.default", "numpy_T.default",
+    "mT.default", "alias.default"))
+# Views that only reorder elements keep their input's statistics.
+REORDERING = frozenset(("t", "transpose", "permute", "numpy_T", "mT"))
+
+# The key, as json.dumps(..., default=str, separators=(",", ":")) writes it (built once: json.dumps builds an
+# encoder per call). Changing the key changes every derived fingerprint, as a new hash scheme would.
+_KEY_JSON = compact_encoder(default=str, allow_nan=True)
+_VID_JSON = re.compile(r'\{"\$v":\d+\}')
+
+
+def view_fingerprint(op: str, src_hash: str, src_dtype: str, shape: list, enc_args: list) -> str:
+    """The derived fingerprint of `op` (e.g. "aten.t.default") applied with the encoded arguments `enc_args`
+    (tensors as {"$v": vid}; vids are per trace, so they are masked) to a value of fingerprint `src_hash` and
+    dtype `src_dtype` ("torch.float32"), giving `shape`."""
+    consts = _VID_JSON.sub("T", _KEY_JSON(enc_args))
+    key = _KEY_JSON([op, src_hash, src_dtype, list(shape), consts])
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+
+def rebuildable(enc_args: list, enc_kwargs: dict) -> bool:
+    """Whether a reader can turn these encoded arguments back into the call (ints, bools, None, int lists and
+    tuples, and exactly one tensor), so full mode may store the view's bytes as "rebuild from the op"."""
+    tensors = 0
+
+    def plain(x) -> bool:
+        nonlocal tensors
+        if x is None or type(x) in (int, bool):
+            return True
+        if type(x) is list:
+            return all(plain(y) for y in x)
+        if type(x) is dict:
+            if set(x) == {"$v"}:
+                tensors += 1
+                return True
+            return set(x) == {"$tuple"} and type(x["$tuple"]) is list and all(plain(y) for y in x["$tuple"])
+        return False
+
+    return not enc_kwargs and all(plain(a) for a in enc_args) and tensors == 1
+
+
+def rebuild_view(op: str, enc_args: list, src):
+    """Apply the recorded view op to `src` (the input's tensor): the view as the recording saw it. Raises
+    ValueError when the op or its arguments are not ones the recorder derives."""
+    import torch
+
+    if op not in DERIVABLE_VIEWS or not rebuildable(enc_args, {}):
+        raise ValueError(f"op {op} with these arguments is not a view divtrace rebuilds")
+
+    def decode(x):
+        if type(x) is list:
+            return [decode(y) for y in x]
+        if type(x) is dict:
+            return src if "$v" in x else tuple(decode(y) for y in x["$tuple"])
+        return x
+
+    _, name, overload = op.split(".")
+    return getattr(getattr(torch.ops.aten, name), overload)(*[decode(a) for a in enc_args])
