@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     fsec, fratio, per_round = rounds({"plain": plain, "hash_ops": rec("hash", True), "full_ops": rec("full", True)},
                                      args.repeats)
     res["seconds"]["full_ops"], res["ratio_vs_plain"]["full_ops"] = fsec["full_ops"], fratio["full_ops"]
+    res["full_rounds_s"] = {k: [round(x, 3) for x in v] for k, v in per_round.items()}
 
     # Bytes per record in hash mode.
     from divtrace.trace.reader import Trace

@@ -172,3 +172,39 @@ def test_check_reads_each_stored_tensor_once(tmp_path, monkeypatch):
     report = check_trace(t)
     assert report["ok"], report["problems"]
     assert len(reads) == report["tensors"] == len({b for b, _ in t.vblob.values()})
+
+
+def test_shard_blocks_are_reserved_ahead_and_the_rest_given_back(tmp_path, monkeypatch):
+    # Each shard's blocks are reserved 32 MiB at a time (fallocate) before the values' bytes land in them; at
+    # finish the file is cut to its exact size, which safetensors requires. Where the file system cannot
+    # reserve, plain writes do the same job.
+    reserved = []
+    real = w._allocate
+    monkeypatch.setattr(w, "_allocate", lambda fd, off, n: reserved.append(n) or real(fd, off, n))
+    _record(tmp_path / "t", shard_bytes=1 << 20)
+    assert reserved and all(n >= w._ALLOCATE_STEP for n in reserved)
+    monkeypatch.setattr(w, "_FALLOCATE", None)
+    _record(tmp_path / "u", shard_bytes=1 << 20)
+    for d in ("t", "u"):
+        t = Trace(tmp_path / d)
+        assert check_trace(t)["ok"]
+        for name in t.meta["shards"]:
+            raw = (tmp_path / d / name).read_bytes()
+            n = int.from_bytes(raw[:8], "little")
+            assert max(e["data_offsets"][1] for e in json.loads(raw[8:8 + n]).values()) == len(raw) - 8 - n
+    assert [(tmp_path / "t" / s).read_bytes() for s in Trace(tmp_path / "t").meta["shards"]] == \
+        [(tmp_path / "u" / s).read_bytes() for s in Trace(tmp_path / "u").meta["shards"]]
+
+
+def test_disk_full_when_reserving_blocks(tmp_path, monkeypatch):
+    def full(fd, off, n):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(w, "_allocate", full)
+    with pytest.raises(DivtraceError) as info:
+        _record(tmp_path / "t")
+    msg = str(info.value)
+    assert "no space left on device" in msg and "\n" not in msg
+    t = Trace(tmp_path / "t")
+    assert t.meta["status"] == "error" and not t.complete
+    assert not list((tmp_path / "t").glob(".*.tmp")) and not list((tmp_path / "t").glob("*.safetensors"))
