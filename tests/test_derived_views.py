@@ -59,6 +59,9 @@ def test_check_verifies_derived_views(llama):
     _, t, _ = llama
     report = check_trace(t)
     assert report["ok"], report["problems"]
+    assert report["views"] == len(t.vderived) > 0
+    code, out, err = cli("show", t.path, "--check")
+    assert code == 0 and f"{report['views']} views stored as their op agree with their fingerprints" in out
 
 
 class Proj(torch.nn.Module):

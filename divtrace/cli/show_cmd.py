@@ -64,7 +64,9 @@ def show(
             o.warn(w)
         if check_result is not None:
             if check_result["ok"]:
-                o.passed(f"{check_result['tensors']} stored tensors match their fingerprints")
+                views = check_result["views"]
+                o.passed(f"{check_result['tensors']} stored tensors match their fingerprints"
+                         + (f"; {views} views stored as their op agree with their fingerprints" if views else ""))
             else:
                 o.failed(f"{len(check_result['problems'])} problems: {check_result['problems'][0]}")
     return 0 if check_result is None or check_result["ok"] else 1

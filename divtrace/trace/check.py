@@ -25,10 +25,10 @@ def check_trace(t) -> dict:
             t.tensor(vid)
         except DivtraceError as e:
             problems.append(str(e))
-    if t.mode == "full":  # views stored as "rebuild from the op": the op and fingerprint must agree
-        problems += [p for p in map(t.derived_problem, sorted(t.vderived)) if p]
+    views = sorted(t.vderived) if t.mode == "full" else []
+    problems += [p for p in map(t.derived_problem, views) if p]  # stored as "rebuild from the op": must agree
     if not t.verified:
         problems += t.warnings
     if not t.complete:
         problems.append(f"{t.path}: trace is incomplete (status: {t.status})")
-    return {"ok": not problems, "tensors": n, "problems": problems}
+    return {"ok": not problems, "tensors": n, "views": len(views), "problems": problems}
