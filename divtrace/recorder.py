@@ -123,8 +123,9 @@ def copy_value(v: TensorValue, **changes) -> TensorValue:
     """`dataclasses.replace` for the hot path (it costs several times a plain constructor call)."""
     return TensorValue(changes.get("vid", v.vid), v.dtype, changes.get("shape", v.shape),
                        changes.get("stride", v.stride), changes.get("hash", v.hash), v.device,
-                       changes.get("stats", v.stats), changes.get("producer", v.producer), changes.get("blob", v.blob),
-                       changes.get("shard", v.shard), changes.get("nbytes", v.nbytes), changes.get("derived", v.derived))
+                       changes.get("stats", v.stats), changes.get("producer", v.producer),
+                       changes.get("blob", v.blob), changes.get("shard", v.shard), changes.get("nbytes", v.nbytes),
+                       changes.get("derived", v.derived))
 
 
 class TensorTable:

@@ -151,3 +151,13 @@ def test_edited_view_record_is_caught(llama, tmp_path, edit, needle):
         tb.tensor(vid)
     report = check_trace(tb)
     assert not report["ok"] and any(f"value {vid}" in p for p in report["problems"])
+
+
+def test_each_mode_writes_the_oldest_format_that_holds_it(llama):
+    # Full-mode views without bytes need version 2 (a version-1 reader would call them broken); hash mode adds
+    # only the optional "r" mark, which version-1 readers ignore, so its traces stay readable by them.
+    from divtrace.records import FORMAT_VERSION
+
+    _, full, hashed = llama
+    assert full.meta["format_version"] == FORMAT_VERSION == 2
+    assert hashed.meta["format_version"] == 1 and hashed.vderived

@@ -235,8 +235,10 @@ class TraceWriter:
         self.path = Path(path)
         self.mode = mode
         prepare_trace_dir(self.path, overwrite)
-        self.meta = dict(meta, format_version=FORMAT_VERSION, mode=mode, status="running", complete=False,
-                         started=time.time(), hash_scheme=HASH_SCHEME, hash_impl=IMPLEMENTATION)
+        # The oldest version that holds what this mode writes, so older readers keep reading what they can:
+        # hash mode's only addition in version 2 (the "r" mark) is an optional key they ignore.
+        self.meta = dict(meta, format_version=FORMAT_VERSION if mode == "full" else 1, mode=mode, status="running",
+                         complete=False, started=time.time(), hash_scheme=HASH_SCHEME, hash_impl=IMPLEMENTATION)
         self._shard_bytes = shard_bytes
         self._flush_records = max(1, int(flush_records))
         self._pending_records: list = []
