@@ -41,7 +41,7 @@ from divtrace.fingerprint import dtype_name, fingerprint
 from divtrace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue
 from divtrace.settings import numerics_settings, run_environment
 from divtrace.trace.writer import TraceWriter
-from divtrace.views import DERIVABLE_VIEWS, REORDERING, rebuildable, view_fingerprint
+from divtrace.views import DERIVABLE_VIEWS, REORDERING, VIEW_KEY, rebuildable, view_fingerprint
 
 _STATE = threading.local()  # shared by all recorders: while one does its own bookkeeping, none records
 _ACTIVE_MODELS: set[int] = set()
@@ -115,8 +115,8 @@ def op_tensors(obj, out: list, depth: int = 0) -> list:
     return out
 
 
-def _arg_vids(enc_args) -> list[int]:
-    return [a["$v"] for a in enc_args if type(a) is dict and "$v" in a]
+def _arg_vids(enc_args, enc_kwargs) -> list[int]:
+    return [a["$v"] for a in (*enc_args, *enc_kwargs.values()) if type(a) is dict and "$v" in a]
 
 
 def copy_value(v: TensorValue, **changes) -> TensorValue:
@@ -218,7 +218,8 @@ class Recorder:
         self._next_call_id = 0
         self._index = 0
         self._tensors = TensorTable()  # tensor -> (vid, version, value)
-        self._derived: set[int] = set()  # vids whose fingerprint is derived from a view's input (hash mode)
+        self._derived: set[int] = set()  # vids whose fingerprint is derived from a view's input (_derived_view)
+        self._view_children: dict[int, list] = {}  # derived vid -> views derived from it: (value, op, args, kwargs)
         self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (inference tensors)
         self._mode_obj = None
         self._old_signals: dict = {}
@@ -232,7 +233,7 @@ class Recorder:
         first = next(self.model.parameters(), None)  # not list(): that walks every parameter of a big model
         device = str(first.device) if first is not None else "cpu"
         meta = {"label": self.label, "ops": self.ops, "include": self._include_src, "exclude": self._exclude_src,
-                "model_class": type(self.model).__name__, "settings": numerics_settings(),
+                "model_class": type(self.model).__name__, "settings": numerics_settings(), "view_key": VIEW_KEY,
                 "module_tree": [[name, type(m).__name__] for name, m in self.model.named_modules()],
                 **run_environment(device), **self._extra_meta}
         self.writer = TraceWriter(self.path, mode=self.mode, meta=meta, overwrite=self._overwrite,
@@ -342,7 +343,7 @@ class Recorder:
         return v.vid
 
     def _produced(self, t: torch.Tensor, producer: int, inputs: list, new_values: list, op: str = "",
-                  enc_args=None, is_view: bool = False) -> int:
+                  enc_args=None, is_view: bool = False, enc_kwargs=None) -> int:
         # A view's version counter is tied to its base's only after the op has returned through the dispatch
         # mode: here it still reads 0. What the view will read from then on is its base's version now.
         version = self._version(t)
@@ -367,7 +368,7 @@ class Recorder:
                                    stride=list(t.stride()))
                 break
         if v is None and op in DERIVABLE_VIEWS and not t.is_contiguous():
-            v = self._derived_view(t, producer, inputs, op, enc_args)
+            v = self._derived_view(t, producer, inputs, op, enc_args, enc_kwargs or {})
         if v is None:
             v = self.writer.new_value(t, producer=producer)
         new_values.append(v)
@@ -389,7 +390,7 @@ class Recorder:
                 continue
         return None
 
-    def _derived_view(self, t, producer, inputs, op, enc_args):
+    def _derived_view(self, t, producer, inputs, op, enc_args, enc_kwargs):
         """A strided view (w.t(), a transpose, an expand) of a known value: a fingerprint derived from the op, its
         arguments and the input's fingerprint (divtrace.views), instead of a copy and a hash of its bytes; in
         full mode no bytes either (a reader rebuilds them from the op). A value that reaches a module boundary
@@ -399,15 +400,25 @@ class Recorder:
         e = self._tensors.get(src) if src is not None else None
         if e is None or e[1] != self._version(src):
             return None
-        if self.mode == "full" and not (rebuildable(enc_args, {}) and e[0] in _arg_vids(enc_args)):
+        if self.mode == "full" and not (rebuildable(enc_args, enc_kwargs) and e[0] in _arg_vids(enc_args, enc_kwargs)):
             return None  # a reader could not rebuild it from the op: store its bytes
-        h = view_fingerprint(op, e[2].hash, e[2].dtype, list(t.shape), enc_args)
+        h = view_fingerprint(op, e[2].hash, e[2].dtype, e[2].shape, list(t.shape), enc_args, enc_kwargs)
         stats = e[2].stats if op.split(".")[1] in REORDERING else {}
         v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
                        stride=list(t.stride()), hash=h, stats=stats, blob=None, shard=None, derived=True,
                        nbytes=t.numel() * t.element_size())
         self._derived.add(v.vid)
+        if e[0] in self._derived:  # a view of a view: re-derived if its parent gets its real fingerprint
+            self._view_children.setdefault(e[0], []).append((v, op, enc_args, enc_kwargs))
         return v
+
+    def _rederive_children(self, parent: TensorValue) -> None:
+        """`parent`'s fingerprint changed (it got its real one, in place): the views derived from it, still
+        buffered like it (their vids are larger), get theirs derived again, so a reader can check them."""
+        for child, op, args, kwargs in self._view_children.pop(parent.vid, ()):
+            if child.derived:  # not already given its real fingerprint at a boundary of its own
+                child.hash = view_fingerprint(op, parent.hash, parent.dtype, parent.shape, child.shape, args, kwargs)
+                self._rederive_children(child)
 
     def _real_hash(self, t, entry):
         """Give a derived-view value its real fingerprint (and in full mode its bytes) before a module boundary
@@ -420,6 +431,7 @@ class Recorder:
         if self.writer.is_buffered(v.vid):
             fresh = self.writer.new_value(t, producer=v.producer)
             v.hash, v.stats, v.blob, v.shard, v.derived = fresh.hash, fresh.stats, fresh.blob, fresh.shard, False
+            self._rederive_children(v)
             return entry
         return None
 
@@ -587,7 +599,8 @@ class Recorder:
             index = self._take_index()
             name = _op_name(func)
             is_view = getattr(func, "is_view", False)
-            out_vids = [self._produced(p, index, plain_in, values, name, enc_args, is_view) for p in plain_out]
+            out_vids = [self._produced(p, index, plain_in, values, name, enc_args, is_view, enc_kwargs)
+                        for p in plain_out]
             vid_by_id = {id(t): v for t, v in zip(outs, out_vids)}
             enc_out = self._encode_out(out, vid_by_id)
             rec = OpRecord(index, self._stack[-1].call_id, name, enc_args, enc_kwargs, vids, out_vids, enc_out)

@@ -33,18 +33,24 @@ _KEY_JSON = compact_encoder(default=str, allow_nan=True)
 _VID_JSON = re.compile(r'\{"\$v":\d+\}')
 
 
-def view_fingerprint(op: str, src_hash: str, src_dtype: str, shape: list, enc_args: list) -> str:
-    """The derived fingerprint of `op` (e.g. "aten.t.default") applied with the encoded arguments `enc_args`
-    (tensors as {"$v": vid}; vids are per trace, so they are masked) to a value of fingerprint `src_hash` and
-    dtype `src_dtype` ("torch.float32"), giving `shape`."""
-    consts = _VID_JSON.sub("T", _KEY_JSON(enc_args))
-    key = _KEY_JSON([op, src_hash, src_dtype, list(shape), consts])
+VIEW_KEY = "op-src-shape-2"  # in meta.json: traces whose derived fingerprints are comparable
+
+
+def view_fingerprint(op: str, src_hash: str, src_dtype: str, src_shape: list, shape: list, enc_args: list,
+                     enc_kwargs: dict) -> str:
+    """The derived fingerprint of `op` (e.g. "aten.t.default") applied with the encoded arguments (tensors as
+    {"$v": vid}; vids are per trace, so they are masked) to a value of fingerprint `src_hash`, dtype `src_dtype`
+    ("torch.float32") and shape `src_shape`, giving `shape`. The source's shape is part of the key: its hash
+    covers the bytes only, and the same bytes as [3, 1] and [1, 3] expand to different values."""
+    consts = _VID_JSON.sub("T", _KEY_JSON([enc_args, enc_kwargs]))
+    key = _KEY_JSON([VIEW_KEY, op, src_hash, src_dtype, list(src_shape), list(shape), consts])
     return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
 
 def rebuildable(enc_args: list, enc_kwargs: dict) -> bool:
     """Whether a reader can turn these encoded arguments back into the call (ints, bools, None, int lists and
-    tuples, and exactly one tensor), so full mode may store the view's bytes as "rebuild from the op"."""
+    tuples, and exactly one tensor), so full mode may store the view's bytes as "rebuild from the
+    op"."""
     tensors = 0
 
     def plain(x) -> bool:
@@ -60,15 +66,16 @@ def rebuildable(enc_args: list, enc_kwargs: dict) -> bool:
             return set(x) == {"$tuple"} and type(x["$tuple"]) is list and all(plain(y) for y in x["$tuple"])
         return False
 
-    return not enc_kwargs and all(plain(a) for a in enc_args) and tensors == 1
+    return (type(enc_args) is list and type(enc_kwargs) is dict and all(plain(a) for a in enc_args)
+            and all(plain(v) for v in enc_kwargs.values()) and tensors == 1)
 
 
-def rebuild_view(op: str, enc_args: list, src):
+def rebuild_view(op: str, enc_args: list, enc_kwargs: dict, src):
     """Apply the recorded view op to `src` (the input's tensor): the view as the recording saw it. Raises
     ValueError when the op or its arguments are not ones the recorder derives."""
     import torch
 
-    if op not in DERIVABLE_VIEWS or not rebuildable(enc_args, {}):
+    if op not in DERIVABLE_VIEWS or not rebuildable(enc_args, enc_kwargs):
         raise ValueError(f"op {op} with these arguments is not a view divtrace rebuilds")
 
     def decode(x):
@@ -79,4 +86,5 @@ def rebuild_view(op: str, enc_args: list, src):
         return x
 
     _, name, overload = op.split(".")
-    return getattr(getattr(torch.ops.aten, name), overload)(*[decode(a) for a in enc_args])
+    return getattr(getattr(torch.ops.aten, name), overload)(*[decode(a) for a in enc_args],
+                                                            **{k: decode(v) for k, v in enc_kwargs.items()})

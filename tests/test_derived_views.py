@@ -161,3 +161,115 @@ def test_each_mode_writes_the_oldest_format_that_holds_it(llama):
     _, full, hashed = llama
     assert full.meta["format_version"] == FORMAT_VERSION == 2
     assert hashed.meta["format_version"] == 1 and hashed.vderived
+
+
+class ViewOfView(torch.nn.Module):
+    """`a = w.t()` gets its real fingerprint (and bytes) when it enters `inner`; `b = a[1:3]` was derived from
+    a's derived fingerprint before that, so it must be derived again from a's real one."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)))
+        self.inner = torch.nn.Identity()
+
+    def forward(self, x):
+        a = self.w.t()
+        b = a[1:3]
+        c = self.inner(a)
+        return b.sum() + c.sum() + x.sum(), b * 1
+
+
+@pytest.mark.parametrize("mode", ["full", "hash"])
+def test_view_of_a_view_that_crosses_a_module_boundary(tmp_path, mode):
+    m = ViewOfView()
+    out = record_model(m, (torch.randn(2),), tmp_path / "t", mode=mode)
+    t = Trace(tmp_path / "t")
+    sl = next(r for r in t.records if r.kind == "op" and r.op == "aten.slice.Tensor")
+    b = sl.outputs[0]
+    assert b in t.vderived and t.values[sl.inputs[0]].hash == fingerprint(m.w.detach().t())[0]  # a: real now
+    assert t.derived_problem(b) is None
+    if mode == "full":
+        assert torch.equal(t.tensor(b), m.w.detach().t()[1:3]) and check_trace(t)["ok"]
+        mul = next(r for r in t.records if r.kind == "op" and r.op == "aten.mul.Tensor")
+        assert torch.equal(t.tensor(mul.outputs[0]), out[1])
+
+
+class Expand(torch.nn.Module):
+    """The same bytes as a column or as a row, expanded to [3, 3]: other values, from one input hash."""
+
+    def __init__(self, col: bool, implicit: bool = False):
+        super().__init__()
+        self.col, self.implicit = col, implicit
+
+    def forward(self, x, m):
+        src = m[:, None] if self.col else m[None, :]
+        return x + torch.ops.aten.expand.default(src, [3, 3], implicit=self.implicit)
+
+
+@pytest.mark.parametrize("mode", ["full", "hash"])
+def test_derived_fingerprint_knows_the_input_shape(tmp_path, mode):
+    # Before the source's shape was part of the key, [3, 1] and [1, 3] expanded to [3, 3] got one fingerprint:
+    # bisect then said the expands agreed and blamed the add that followed. No false "identical", either mode.
+    x, m = torch.zeros(3, 3), torch.tensor([1., 2., 3.])
+    record_model(Expand(True), (x, m), tmp_path / "a", mode=mode)
+    record_model(Expand(False), (x, m), tmp_path / "b", mode=mode)
+    a, b = Trace(tmp_path / "a"), Trace(tmp_path / "b")
+    ea, eb = ([r for r in t.records if r.kind == "op" and r.op == "aten.expand.default"][0] for t in (a, b))
+    va, vb = ea.outputs[0], eb.outputs[0]
+    assert va in a.vderived and vb in b.vderived and a.vkey[va] != b.vkey[vb]
+    assert not ValueComparator(a, b).same(va, vb)
+    code, out, err = cli("bisect", tmp_path / "a", tmp_path / "b", "--json")
+    region = [r["op"] for r in json.loads(out)["first"]["region_a"]]
+    assert code == 1 and "aten.expand.default" in region, region
+
+
+def test_keyword_arguments_of_a_view_are_rebuilt(tmp_path):
+    x, m = torch.zeros(3, 3), torch.tensor([1., 2., 3.])
+    record_model(Expand(True, implicit=True), (x, m), tmp_path / "t", mode="full")
+    t = Trace(tmp_path / "t")
+    (e,) = [r for r in t.records if r.kind == "op" and r.op == "aten.expand.default"]
+    assert e.kwargs == {"implicit": True} and e.outputs[0] in t.vderived
+    assert torch.equal(t.tensor(e.outputs[0]), m[:, None].expand(3, 3)) and check_trace(t)["ok"]
+
+
+def test_full_mode_view_against_a_hash_mode_copy(tmp_path):
+    # The full side can rebuild its view's bytes, so the hash side's real fingerprint of a copy settles it.
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    record_model(Proj(False), (x,), tmp_path / "a", mode="full")
+    record_model(Proj(True), (x,), tmp_path / "b", mode="hash")
+    a, b = Trace(tmp_path / "a"), Trace(tmp_path / "b")
+    wa = next(r for r in a.records if r.kind == "op" and r.op == "aten.mm.default").inputs[1]
+    wb = next(r for r in b.records if r.kind == "op" and r.op == "aten.mm.default").inputs[1]
+    assert wa in a.vderived and a.vkey[wa] != b.vkey[wb]
+    assert ValueComparator(a, b).same(wa, wb) and ValueComparator(b, a).same(wb, wa)
+
+
+def test_long_chain_of_views(tmp_path):
+    class Chain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(1200, 4))
+
+        def forward(self, x):
+            a = self.w.t()
+            for _ in range(1100):
+                a = a[:, 1:]
+            return a * x
+
+    m = Chain()
+    record_model(m, (torch.ones(1),), tmp_path / "t", mode="full")
+    t = Trace(tmp_path / "t")
+    assert len(t.vderived) > 1100  # deeper than Python's recursion limit
+    assert torch.equal(t.tensor(max(t.vderived)), m.w.detach().t()[:, 1100:])
+
+
+def test_derived_views_warn_across_view_keys(tmp_path):
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    record_model(Proj(False), (x,), tmp_path / "a", mode="hash")
+    record_model(Proj(False), (x,), tmp_path / "b", mode="hash")
+    assert Trace(tmp_path / "a").meta["view_key"] == "op-src-shape-2"
+    edit_meta(tmp_path / "b", view_key=None)  # as written before the key was recorded
+    code, out, err = cli("bisect", tmp_path / "a", tmp_path / "b", "--json")
+    assert any("view_key" in w for w in json.loads(out)["warnings"])
+    code, out, err = cli("bisect", tmp_path / "a", tmp_path / "a", "--json")
+    assert code == 0 and not any("view_key" in w for w in json.loads(out)["warnings"])

@@ -97,15 +97,20 @@ class ValueComparator:
         self._seen: dict[int, int] = {}  # bitwise: va -> the first vb it was compared with
         self._seen_more: set[tuple[int, int]] = set()  # bitwise: pairs whose va was seen with another vb
         self._ka, self._kb = a.vkey, b.vkey
-        # Full mode on both sides: a view's derived fingerprint that differs from the other side's is settled
-        # from the bytes (the other side may have made the same bytes another way).
-        self._views = a.mode == "full" and b.mode == "full" and bool(a.vderived or b.vderived)
+        # A view's derived fingerprint that differs from the other side's is settled from the bytes where the
+        # trace holding it is full mode (the other side may have made the same bytes another way).
+        self._full_a, self._full_b = a.mode == "full", b.mode == "full"
+        self._views = bool((self._full_a and a.vderived) or (self._full_b and b.vderived))
 
     def _view_equal(self, va: int, vb: int) -> bool:
-        """Fingerprints differ: whether the bytes are equal all the same (a derived view's, full mode)."""
+        """Fingerprints differ: whether the bytes are equal all the same (a derived view's, rebuilt in full mode;
+        a derived view in a hash-mode trace cannot be settled and stays unequal)."""
+        if not self._views:
+            return False
         ka, kb = self._ka[va], self._kb[vb]
-        return (self._views and (va in self.a.vderived or vb in self.b.vderived) and ka[0] == kb[0]
-                and ka[1] == kb[1] and self.a.real_key(va) == self.b.real_key(vb))
+        da, db = va in self.a.vderived, vb in self.b.vderived
+        return ((da or db) and not (da and not self._full_a) and not (db and not self._full_b)
+                and ka[0] == kb[0] and ka[1] == kb[1] and self.a.real_key(va) == self.b.real_key(vb))
 
     @property
     def values_available(self) -> bool:

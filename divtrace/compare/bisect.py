@@ -462,6 +462,11 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
                 + (f", {t.meta['error']}" if t.meta.get("error") else "") + "): only what ran before it stopped is compared"
                 for t in (ta, tb) if not t.complete]
     warnings += [w for t in (ta, tb) for w in getattr(t, "warnings", [])]
+    if ta.meta.get("ops") and tb.meta.get("ops") and ta.meta.get("view_key") != tb.meta.get("view_key"):
+        warnings.append(f"the traces derive strided views' fingerprints differently (view_key {ta.meta.get('view_key')} "
+                        f"vs {tb.meta.get('view_key')}: recorded by different divtrace versions); views inside a "
+                        "module may compare unequal where their bytes are equal; module inputs and outputs are "
+                        "unaffected: record both sides with one version to compare them")
     aligned = [(ca, cb) for ca in sorted(ta.calls.values(), key=lambda c: c.enter_index)
                if (cb := pairing.partner(ca)) is not None]
     first = None

@@ -575,7 +575,8 @@ class Trace:
             vid = vd["v"]
             if vid not in cache:
                 cache[vid] = TensorValue(vid, info[0], shape, stride, vd["h"], vd.get("dev", "cpu"), stats,
-                                         vd.get("p"), vd.get("b"), vd.get("f"), prod(shape) * info[1], "r" in vd)
+                                         vd.get("p"), vd.get("b"), vd.get("f"), prod(shape) * info[1],
+                                         vd.get("r") is not None)
         k, call_id = d["k"], d["c"]
         if k == "o":
             rec = OpRecord(index, call_id, d["op"], d["a"], d.get("kw", {}), d["in"], d["out"], d["o"])
@@ -853,26 +854,35 @@ class Trace:
         if rec.op not in DERIVABLE_VIEWS or not rebuildable(rec.args, rec.kwargs) or len(set(rec.inputs)) != 1:
             return f"{where}: not a view divtrace rebuilds"
         src = self.values[rec.inputs[0]]
-        if view_fingerprint(rec.op, src.hash, src.dtype, v.shape, rec.args) != v.hash:
+        if view_fingerprint(rec.op, src.hash, src.dtype, src.shape, v.shape, rec.args, rec.kwargs) != v.hash:
             return f"{where}: corrupt (its fingerprint is not the one derived from the op and its input)"
         return None
 
     def _rebuilt(self, vid: int, v: TensorValue):
-        """A view value of a full-mode trace, rebuilt by applying its recorded view op to the input's bytes."""
+        """A view value of a full-mode trace, rebuilt by applying its recorded view op to the input's bytes (and
+        a view of a view from the first stored value up, in a loop: chains can be long)."""
         from divtrace.views import rebuild_view
 
-        problem = self.derived_problem(vid)
-        if problem:
-            raise DivtraceError(problem)
-        rec = self.records[v.producer]
-        try:
-            t = rebuild_view(rec.op, rec.args, self.tensor(rec.inputs[0]))
-        except (RuntimeError, ValueError, IndexError, TypeError) as e:
-            raise DivtraceError(f"{self.path}: value {vid}: cannot rebuild it with {rec.op} "
-                                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-        if torch_dtype(v.dtype) != t.dtype or list(t.shape) != v.shape:
-            raise DivtraceError(f"{self.path}: value {vid}: {rec.op} rebuilt dtype/shape {t.dtype}/{list(t.shape)}, "
-                                f"the record says {v.dtype}/{v.shape}")
+        chain = [vid]
+        while self.values[chain[-1]].derived:
+            problem = self.derived_problem(chain[-1])
+            if problem:
+                raise DivtraceError(problem)
+            chain.append(self.records[self.values[chain[-1]].producer].inputs[0])
+            if len(chain) > len(self.vderived) + 1:
+                raise DivtraceError(f"{self.path}: value {vid}: its views form a cycle (edited by hand?)")
+        t = self.tensor(chain.pop())
+        for link in reversed(chain):
+            lv = self.values[link]
+            rec = self.records[lv.producer]
+            try:
+                t = rebuild_view(rec.op, rec.args, rec.kwargs, t)
+            except (RuntimeError, ValueError, IndexError, TypeError) as e:
+                raise DivtraceError(f"{self.path}: value {link}: cannot rebuild it with {rec.op} "
+                                    f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+            if torch_dtype(lv.dtype) != t.dtype or list(t.shape) != lv.shape:
+                raise DivtraceError(f"{self.path}: value {link}: {rec.op} rebuilt dtype/shape {t.dtype}/"
+                                    f"{list(t.shape)}, the record says {lv.dtype}/{lv.shape}")
         return t
 
     def _open_shard(self, name, vid):

@@ -72,18 +72,20 @@ def _libc_fallocate():
 _FALLOCATE = _libc_fallocate()
 
 
-def _allocate(fd: int, offset: int, length: int) -> bool:
-    """Reserve the file's blocks ahead of the writes; False where the file system cannot (then plain writes
-    allocate them). Writing into allocated blocks cost the kernel 40% less (ext4: 404 MB in ~65 ms against
-    ~110 ms), as the file system maps one extent instead of allocating block by block."""
+def _allocate(fd: int, offset: int, need: int, ahead: int) -> int | None:
+    """Reserve the file's blocks from `offset` before the writes: `ahead` bytes where there is room, else just
+    the `need`ed ones; how many were reserved, or None where the file system cannot (then plain writes allocate
+    the blocks, and report a full disk themselves: a reservation never fails a recording that would fit).
+    Writing into reserved blocks cost the kernel 40% less (ext4: 404 MB in ~65 ms against ~110 ms), as the file
+    system maps one extent instead of allocating block by block."""
     if _FALLOCATE is None:
-        return False
-    if _FALLOCATE(fd, 0, offset, length) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        raise OSError(err, os.strerror(err))
-    return False  # EOPNOTSUPP, EINVAL, ...: not on this file system
+        return None
+    for n in (ahead, need) if ahead > need else (need,):
+        if _FALLOCATE(fd, 0, offset, n) == 0:
+            return n
+        if ctypes.get_errno() not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EINTR):
+            return None  # EOPNOTSUPP, EINVAL, ...: not on this file system
+    return None
 
 
 def _tensor_bytes(t: torch.Tensor):
@@ -135,8 +137,9 @@ class ShardFile:
         if n:
             end = 8 + self.room + self.size + n
             if self.allocated is not None and end > self.allocated:
-                more = max(end - self.allocated, _ALLOCATE_STEP)
-                self.allocated = self.allocated + more if _allocate(self.fd, self.allocated, more) else None
+                need = end - self.allocated
+                got = _allocate(self.fd, self.allocated, need, max(need, _ALLOCATE_STEP))
+                self.allocated = None if got is None else self.allocated + got
             buf, owner = _tensor_bytes(t)
             _write_at(self.fd, buf, 8 + self.room + self.size)
             del buf, owner
