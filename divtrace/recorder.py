@@ -49,6 +49,15 @@ _ACTIVE: list = []  # recorders inside their `with` block, any thread
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 _MAX_DEPTH = 8
 _SEQ = itertools.count()
+# Ops that only allocate (or fill) a buffer. Kernels torch does not see (Triton launched directly, a C extension
+# writing through a raw pointer) write their results into such buffers without moving the version counter, so
+# a value made by one of these is re-read whenever it is used again: its bytes decide (Recorder._unsettled).
+_FRESH_BUFFERS = {f"aten.{n}" for n in (
+    "empty.memory_format", "empty_like.default", "empty_strided.default", "new_empty.default",
+    "new_empty_strided.default", "zeros.default", "zeros_like.default", "new_zeros.default", "full.default",
+    "full_like.default", "new_full.default")}
+_RAW_WRITE = ("bytes of a buffer changed without a torch op (a kernel torch does not see, such as Triton launched "
+              "directly or a C extension, wrote into it): recorded as new values from outside, with no producing op")
 
 
 class RecordingTerminated(KeyboardInterrupt):
@@ -220,6 +229,7 @@ class Recorder:
         self._tensors = TensorTable()  # tensor -> (vid, version, value)
         self._derived: set[int] = set()  # vids whose fingerprint is derived from a view's input (_derived_view)
         self._view_children: dict[int, list] = {}  # derived vid -> views derived from it: (value, op, args, kwargs)
+        self._unsettled: set[int] = set()  # vids of fresh buffers (and their views): re-read when used again
         self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (inference tensors)
         self._mode_obj = None
         self._old_signals: dict = {}
@@ -324,8 +334,10 @@ class Recorder:
         if boundary and entry is not None and entry[1] == version and self._derived:
             entry = self._real_hash(t, entry)
         fp = None
+        unsettled = False
         if entry is not None:
-            if entry[1] == version and not (self._mode_obj is None and isinstance(version, tuple)):
+            unsettled = bool(self._unsettled) and entry[0] in self._unsettled
+            if entry[1] == version and not (self._mode_obj is None and isinstance(version, tuple)) and not unsettled:
                 return entry[0]
             # The version moved (an in-place op: torch bumps the counter only after the op has returned
             # through the dispatch mode, so its output is first read here), or it cannot be known (ops=False
@@ -340,6 +352,9 @@ class Recorder:
         v = self.writer.new_value(t, producer=None, fp=fp)
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
+        if unsettled and entry[1] == version:  # changed, and no torch op wrote it: it may be written so again
+            self._unsettled.add(v.vid)
+            self._skip(_RAW_WRITE)
         return v.vid
 
     def _produced(self, t: torch.Tensor, producer: int, inputs: list, new_values: list, op: str = "",
@@ -347,6 +362,7 @@ class Recorder:
         # A view's version counter is tied to its base's only after the op has returned through the dispatch
         # mode: here it still reads 0. What the view will read from then on is its base's version now.
         version = self._version(t)
+        base = None
         if is_view:
             base = self._alias_source(t, inputs)
             if base is not None:
@@ -373,6 +389,12 @@ class Recorder:
             v = self.writer.new_value(t, producer=producer)
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
+        if op in _FRESH_BUFFERS:
+            self._unsettled.add(v.vid)
+        elif self._unsettled and base is not None:  # a view of such a buffer sees what is written into it
+            e = self._tensors.get(base)
+            if e is not None and e[0] in self._unsettled:
+                self._unsettled.add(v.vid)
         return v.vid
 
     @staticmethod
@@ -398,8 +420,8 @@ class Recorder:
         made another way."""
         src = self._alias_source(t, inputs)
         e = self._tensors.get(src) if src is not None else None
-        if e is None or e[1] != self._version(src):
-            return None
+        if e is None or e[1] != self._version(src) or (self._unsettled and e[0] in self._unsettled):
+            return None  # (a fresh buffer may be written behind torch's back: its views' bytes are hashed)
         if self.mode == "full" and not (rebuildable(enc_args, enc_kwargs) and e[0] in _arg_vids(enc_args, enc_kwargs)):
             return None  # a reader could not rebuild it from the op: store its bytes
         h = view_fingerprint(op, e[2].hash, e[2].dtype, e[2].shape, list(t.shape), enc_args, enc_kwargs)

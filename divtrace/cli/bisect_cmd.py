@@ -31,11 +31,14 @@ def render_bisect(o: Output, r) -> None:
                  + (f"  [b: {f['module_b']}]" if f["module_b"] not in (None, f["module"]) else "")],
                 ["op", f"a: {f['op'] or '-'} (record {f['index']})   b: {f['op_b'] or '-'}"
                  + (f" (record {f['index_b']})" if f["index_b"] is not None else "")],
-                ["cause", f["cause"] + ("  (inputs bitwise equal, output differs)" if f["cause"] == "origin"
-                                        else "  (inputs already differ; could not go further)")],
+                ["cause", f["cause"] + ("  (inputs already differ; could not go further)" if f["cause"] != "origin"
+                                        else "  (an input no recorded op made differs; see below)"
+                                        if f["outside_input"] else "  (inputs bitwise equal, output differs)")],
                 ["tensor", f"{f['tensor']}  {f['dtype']} {f['shape']}"]]
         if f["reason"]:
             rows.append(["differs in", f["reason"]])
+        if f["outside_input"]:
+            rows.append(["outside input", f["outside_input"]])
         if f["metrics_available"] and f["mismatched"] is not None:
             rows += [["mismatched", f"{f['mismatched']} of {f['numel']} elements"],
                      ["max abs / max rel", f"{f['max_abs']:.6g} / {f['max_rel']:.6g}" if f["max_abs"] is not None else "-"],

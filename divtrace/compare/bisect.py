@@ -152,13 +152,16 @@ class Divergence:
     region_b: list[tuple[int, str]] = field(default_factory=list)
     vid_a: int | None = None  # the differing tensor's value ids (what repro starts from)
     vid_b: int | None = None
+    # An input of the region that no recorded op made (a parameter, a buffer, bytes written by a kernel torch
+    # does not see) and that the other side does not hold: the output differs although the call's inputs agree.
+    outside_input: str | None = None
 
     def to_dict(self) -> dict:
         d = {"index": self.index, "module": self.module, "call": self.call, "op": self.op, "op_b": self.op_b,
              "kind": self.kind, "cause": self.cause, "tensor": self.tensor, "dtype": self.dtype,
              "shape": self.shape, "numel": self.numel, "module_b": self.module_b, "index_b": self.index_b,
              "region_a": [{"index": i, "op": o} for i, o in self.region_a],
-             "region_b": [{"index": i, "op": o} for i, o in self.region_b]}
+             "region_b": [{"index": i, "op": o} for i, o in self.region_b], "outside_input": self.outside_input}
         m = self.diff.to_dict() if self.diff is not None else {}
         for k in ("reason", "max_abs", "max_ulp", "max_rel", "mismatched", "nan_mismatch", "first_index", "first_a", "first_b",
                   "first_a_bits", "first_b_bits"):
@@ -344,10 +347,15 @@ class _Walker:
             return d
         # The other side's span hashes cover a whole call (the root's: the whole trace); built only when the
         # walk back from the differing value meets a value it has to look up.
-        reg_a = self.region(self.a, ca, va, lambda: self._span_hashes(self.b, cb))
-        reg_b = self.region(self.b, cb, vb, lambda: self._span_hashes(self.a, ca))
+        spans = {}
+        span_b = lambda: spans.get("b") or spans.setdefault("b", self._span_hashes(self.b, cb))  # noqa: E731
+        span_a = lambda: spans.get("a") or spans.setdefault("a", self._span_hashes(self.a, ca))  # noqa: E731
+        reg_a = self.region(self.a, ca, va, span_b)
+        reg_b = self.region(self.b, cb, vb, span_a)
         d.region_a = [(i, self.a.rop[i]) for i in reg_a]
         d.region_b = [(i, self.b.rop[i]) for i in reg_b]
+        d.outside_input = (self._outside_input(self.a, ca, reg_a, span_b, "a", "b")
+                           or self._outside_input(self.b, cb, reg_b, span_a, "b", "a"))
         part_a = self._parting(self.a, reg_a, ca.ops)
         part_b = self._parting(self.b, reg_b, cb.ops)
         if part_a is None and part_b is None:
@@ -364,6 +372,19 @@ class _Walker:
                 d.tensor = f"output of {d.op}"
                 self._fill(d, oa[0], ob[0])
         return d
+
+    @staticmethod
+    def _outside_input(t: Trace, call: ModuleCall, region: list[int], other_span, side: str, other: str):
+        """The first input of `region` that no recorded op made and that is not among the other side's values
+        (of its call's span), said in words; None when there is none."""
+        call_inputs = {v for _, v in call.inputs}
+        for i in region:
+            for pos, vid in enumerate(t.rin[i]):
+                if vid not in t.vprod and vid not in call_inputs and _hashable(t.vkey[vid]) not in other_span():
+                    return (f"input {pos} of {t.rop[i]} (record {i}, side {side}) was made by no recorded op (a "
+                            "parameter or buffer, or bytes written by a kernel torch does not see) and differs: "
+                            f"side {other} holds no equal value")
+        return None
 
     @staticmethod
     def _parting(t: Trace, region: list[int], own: list[int]) -> int | None:
@@ -462,6 +483,8 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
                 + (f", {t.meta['error']}" if t.meta.get("error") else "") + "): only what ran before it stopped is compared"
                 for t in (ta, tb) if not t.complete]
     warnings += [w for t in (ta, tb) for w in getattr(t, "warnings", [])]
+    warnings += [f"{t.path} (recording): {w}" for t in (ta, tb) for w in t.meta.get("warnings") or []
+                 if isinstance(w, str)]
     if ta.meta.get("ops") and tb.meta.get("ops") and ta.meta.get("view_key") != tb.meta.get("view_key"):
         warnings.append(f"the traces derive strided views' fingerprints differently (view_key {ta.meta.get('view_key')} "
                         f"vs {tb.meta.get('view_key')}: recorded by different divtrace versions); views inside a "
