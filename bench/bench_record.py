@@ -8,8 +8,9 @@ The configurations run in rounds (plain, DebugMode, hash ops, hash modules, then
 full in rounds of their own), so a slow spell of a shared machine hits them all; each ratio is the median
 over rounds of (time / that round's plain forward). Before each run that writes, the last run's files are
 removed and the page cache is written out (untimed). Full mode's write throughput is save_file's time for the
-same tensors over full mode's extra time (full minus hash recording, same round); the shard writer alone is
-also timed against save_file. Bisect at scale is bench/bench_bisect.py.
+same tensors over full mode's extra time (full minus hash recording, same round), and over the time the
+recording spent in its write path (TraceWriter.store_seconds); the shard writer alone is also timed against
+save_file. Bisect at scale is bench/bench_bisect.py.
 
     python bench/bench_record.py [--repeats 7] [--json out.json] [--small]
 """
@@ -105,9 +106,11 @@ def main(argv=None) -> int:
         out = tmp / f"{mode}-{ops}"
 
         def run():
-            with torch.no_grad(), divtrace.record(model, out, mode=mode, ops=ops):
+            with torch.no_grad(), divtrace.record(model, out, mode=mode, ops=ops) as r:
                 model(ids, use_cache=False)
+            run.store_seconds.append(r.writer.store_seconds)
         run.setup = lambda: settle(out)
+        run.store_seconds = []
         return run
 
     res["seconds"], res["ratio_vs_plain"], _ = rounds(
@@ -115,7 +118,8 @@ def main(argv=None) -> int:
          "hash_modules": rec("hash", False)}, args.repeats)
     print(json.dumps({k: round(v, 3) for k, v in res["ratio_vs_plain"].items()}), flush=True)
     # Full mode in rounds of its own: its writes (page cache, writeback) would slow the rounds above.
-    fsec, fratio, per_round = rounds({"plain": plain, "hash_ops": rec("hash", True), "full_ops": rec("full", True)},
+    full_run = rec("full", True)
+    fsec, fratio, per_round = rounds({"plain": plain, "hash_ops": rec("hash", True), "full_ops": full_run},
                                      args.repeats)
     res["seconds"]["full_ops"], res["ratio_vs_plain"]["full_ops"] = fsec["full_ops"], fratio["full_ops"]
     res["full_rounds_s"] = {k: [round(x, 3) for x in v] for k, v in per_round.items()}
@@ -160,6 +164,10 @@ def main(argv=None) -> int:
         "unique_bytes": nbytes, "shards": len(shards), "safetensors_save_s": t_save,
         "recording_extra_s": statistics.median(extra),
         "recording_vs_safetensors": t_save / max(statistics.median(extra), 1e-9),
+        # the write path alone, timed inside the recording (TraceWriter.store_seconds: writing the values' bytes
+        # and finishing the shards), without the difference of two noisy forwards
+        "write_path_s": statistics.median(full_run.store_seconds[1:]),
+        "write_path_vs_safetensors": t_save / max(statistics.median(full_run.store_seconds[1:]), 1e-9),
         "write_shard_s": wsec["write_shard"],
         "write_shard_vs_safetensors": statistics.median(
             r / o for r, o in zip(wrounds["save_file"], wrounds["write_shard"]))}

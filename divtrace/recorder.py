@@ -422,7 +422,8 @@ class Recorder:
         e = self._tensors.get(src) if src is not None else None
         if e is None or e[1] != self._version(src) or (self._unsettled and e[0] in self._unsettled):
             return None  # (a fresh buffer may be written behind torch's back: its views' bytes are hashed)
-        if self.mode == "full" and not (rebuildable(enc_args, enc_kwargs) and e[0] in _arg_vids(enc_args, enc_kwargs)):
+        if self.mode == "full" and not (rebuildable(enc_args, enc_kwargs)
+                                        and e[0] in _arg_vids(enc_args, enc_kwargs)):
             return None  # a reader could not rebuild it from the op: store its bytes
         h = view_fingerprint(op, e[2].hash, e[2].dtype, e[2].shape, list(t.shape), enc_args, enc_kwargs)
         stats = e[2].stats if op.split(".")[1] in REORDERING else {}
@@ -437,10 +438,13 @@ class Recorder:
     def _rederive_children(self, parent: TensorValue) -> None:
         """`parent`'s fingerprint changed (it got its real one, in place): the views derived from it, still
         buffered like it (their vids are larger), get theirs derived again, so a reader can check them."""
-        for child, op, args, kwargs in self._view_children.pop(parent.vid, ()):
-            if child.derived:  # not already given its real fingerprint at a boundary of its own
-                child.hash = view_fingerprint(op, parent.hash, parent.dtype, parent.shape, child.shape, args, kwargs)
-                self._rederive_children(child)
+        todo = [parent]  # a loop, not recursion: chains of views can be long
+        while todo:
+            p = todo.pop()
+            for child, op, args, kwargs in self._view_children.pop(p.vid, ()):
+                if child.derived:  # not already given its real fingerprint at a boundary of its own
+                    child.hash = view_fingerprint(op, p.hash, p.dtype, p.shape, child.shape, args, kwargs)
+                    todo.append(child)
 
     def _real_hash(self, t, entry):
         """Give a derived-view value its real fingerprint (and in full mode its bytes) before a module boundary

@@ -273,3 +273,25 @@ def test_derived_views_warn_across_view_keys(tmp_path):
     assert any("view_key" in w for w in json.loads(out)["warnings"])
     code, out, err = cli("bisect", tmp_path / "a", tmp_path / "a", "--json")
     assert code == 0 and not any("view_key" in w for w in json.loads(out)["warnings"])
+
+
+def test_long_chain_of_views_whose_root_crosses_a_boundary(tmp_path):
+    # The root view gets its real fingerprint at the module boundary; every view in the chain below it is
+    # derived again (in a loop: deeper than Python's recursion limit).
+    class Chain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(1200, 4))
+            self.inner = torch.nn.Identity()
+
+        def forward(self, x):
+            a = b = self.w.t()
+            for _ in range(1100):
+                b = b[:, 1:]
+            return self.inner(a).sum() + (b * x).sum()
+
+    m = Chain()
+    record_model(m, (torch.ones(1),), tmp_path / "t", mode="full")
+    t = Trace(tmp_path / "t")
+    assert check_trace(t)["ok"]
+    assert torch.equal(t.tensor(max(t.vderived)), m.w.detach().t()[:, 1100:])

@@ -216,3 +216,24 @@ def test_a_reservation_without_room_never_fails_a_recording_that_fits(tmp_path, 
     t = Trace(tmp_path / "t")
     assert check_trace(t)["ok"]
     _outputs_match(t, out)
+
+
+def test_write_path_time_is_counted_in_full_mode_only(tmp_path):
+    # bench/bench_record.py reports write throughput from TraceWriter.store_seconds.
+    rec, _ = _record(tmp_path / "f", shard_bytes=1 << 20)
+    assert rec.writer.store_seconds > 0
+    torch.manual_seed(0)
+    m = Mutating()
+    with torch.no_grad(), divtrace.record(m, tmp_path / "h", mode="hash") as rec:
+        m(torch.randn(128, 64))
+    assert rec.writer.store_seconds == 0
+
+
+@pytest.mark.parametrize("key", ["float32-4096-" + "0f" * 16, "x", "a.b-c_d", "", "ünï", 'q"uote', "a b", "tab\t"])
+def test_header_entry_length_matches_its_json(key):
+    # The room left for a shard's header is counted without encoding each entry (a plain blob key's length is
+    # summed); any other key falls back to the JSON encoder. finish() asserts the total too.
+    for entry in ({"dtype": "F32", "shape": [4096], "data_offsets": [0, 16384]},
+                  {"dtype": "U8", "shape": [7], "data_offsets": [123456789, 123456796]},
+                  {"dtype": "BF16", "shape": [0], "data_offsets": [5, 5]}):
+        assert w._entry_len(key, entry) == len(w._ENCODE({key: entry})) - 2

@@ -20,6 +20,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import struct
 import time
 from pathlib import Path
@@ -88,15 +89,29 @@ def _allocate(fd: int, offset: int, need: int, ahead: int) -> int | None:
     return None
 
 
+def _memory_view_factory():
+    """A read-only memoryview over `n` bytes at an address (CPython's PyMemoryView_FromMemory): 1 us, where a
+    ctypes array of a length not seen before costs 21 us (a new ctypes type per length; 350 values a forward)."""
+    try:
+        f = ctypes.pythonapi.PyMemoryView_FromMemory
+    except AttributeError:  # not CPython
+        return lambda addr, n: (ctypes.c_char * n).from_address(addr)
+    f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int], ctypes.py_object
+    return lambda addr, n: f(addr, n, 0x100)  # PyBUF_READ
+
+
+_memory_at = _memory_view_factory()
+
+
 def _tensor_bytes(t: torch.Tensor):
     """(buffer, owner): `t`'s bytes in logical order, and the tensor that holds them (keep it alive while the
     buffer is used). A contiguous CPU tensor's own memory, with no torch op (none goes through the recorder's
     dispatch mode); else a contiguous CPU copy."""
     n = t.numel() * t.element_size()
     if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-        return (ctypes.c_char * n).from_address(t.data_ptr()), t
+        return _memory_at(t.data_ptr(), n), t
     flat = flat_bytes(t).cpu()
-    return (ctypes.c_char * n).from_address(flat.data_ptr()), flat
+    return _memory_at(flat.data_ptr(), n), flat
 
 
 def _entry(t: torch.Tensor, offset: int) -> dict:
@@ -105,6 +120,18 @@ def _entry(t: torch.Tensor, offset: int) -> dict:
     if name is None:  # no safetensors dtype: its raw bytes, viewed back by the reader
         name, numel = "U8", n
     return {"dtype": name, "shape": [numel], "data_offsets": [offset, offset + n]}
+
+
+_PLAIN_KEY = re.compile(r"[\w.-]*\Z", re.ASCII)  # what JSON writes as it is between quotes (blob keys)
+
+
+def _entry_len(key: str, entry: dict) -> int:
+    """len of `"key":{...}` as the header's JSON writes it (checked against the header at finish)."""
+    if _PLAIN_KEY.match(key) is None:
+        return len(_ENCODE({key: entry})) - 2
+    a, b = entry["data_offsets"]
+    return (len(key) + len(entry["dtype"]) + len(str(entry["shape"][0])) + len(str(a)) + len(str(b))
+            + 45)  # the 45 fixed characters of '"":{"dtype":"","shape":[],"data_offsets":[,]}'
 
 
 class ShardFile:
@@ -130,7 +157,7 @@ class ShardFile:
     def add(self, key: str, t: torch.Tensor) -> bool:
         """Write `t`'s bytes; False (nothing written) when its header entry does not fit the room left."""
         entry = _entry(t, self.size)
-        grow = len(_ENCODE({key: entry})) - 2 + (1 if self.header else 0)  # '"key":{...}' and a comma
+        grow = _entry_len(key, entry) + (1 if self.header else 0)  # '"key":{...}' and a comma
         if self.header_len + grow > self.room:
             return False
         n = entry["data_offsets"][1] - self.size
@@ -258,6 +285,7 @@ class TraceWriter:
         self.n_records = 0  # records handed to append()
         self.n_written = 0  # records on disk
         self.bytes_written = 0
+        self.store_seconds = 0.0  # full mode: time spent writing values' bytes and finishing shards (the write path)
         self.failed: str | None = None  # set when a write failed; nothing more is written after that
         self._closed = False
         try:
@@ -286,7 +314,9 @@ class TraceWriter:
             # The bytes must be made contiguous (and on the CPU) to be written anyway: torch's copy is
             # cache-blocked, and the fingerprint of the copy is the fingerprint of `t` (both read the logical
             # order), where gathering a transposed weight element by element to hash it cost more than the copy.
+            t0 = time.perf_counter()
             src = flat_bytes(t).cpu()
+            self.store_seconds += time.perf_counter() - t0  # part of the write path: hash mode needs no copy
         h, stats = fp if fp is not None else fingerprint(src)
         dev = t.device
         v = TensorValue(self.take_vid(), dtype_name(t.dtype), list(t.shape), list(t.stride()), h,
@@ -302,6 +332,7 @@ class TraceWriter:
     def _store(self, key: str, t: torch.Tensor) -> str:
         """Write `t`'s bytes into the open shard now (later code may overwrite `t`); the shard's name."""
         self._refuse_after_failure()
+        t0 = time.perf_counter()
         try:
             if self._open is None:
                 self._open = ShardFile(self.path / SHARD_PATTERN.format(len(self._shards)), self._room)
@@ -315,6 +346,8 @@ class TraceWriter:
                     raise DivtraceError(f"{self.path}: blob key {key[:80]!r} too long for a shard header")
         except OSError as e:
             self._fail(e)
+        finally:
+            self.store_seconds += time.perf_counter() - t0
         name = self._open.path.name
         self._blobs[key] = name
         return name
@@ -348,7 +381,11 @@ class TraceWriter:
         self.critical = True
         try:
             if self._open is not None:
-                self._finish_shard()
+                t0 = time.perf_counter()
+                try:
+                    self._finish_shard()
+                finally:
+                    self.store_seconds += time.perf_counter() - t0
             data = self._take_records()
             if data is not None:
                 self._write_records(*data)
