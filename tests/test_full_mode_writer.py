@@ -174,50 +174,6 @@ def test_check_reads_each_stored_tensor_once(tmp_path, monkeypatch):
     assert len(reads) == report["tensors"] == len({b for b, _ in t.vblob.values()})
 
 
-def test_shard_blocks_are_reserved_ahead_and_the_rest_given_back(tmp_path, monkeypatch):
-    # Each shard's blocks are reserved 32 MiB at a time (fallocate) before the values' bytes land in them; at
-    # finish the file is cut to its exact size, which safetensors requires. Where the file system cannot
-    # reserve, plain writes do the same job.
-    reserved = []
-    real = w._allocate
-    monkeypatch.setattr(w, "_allocate", lambda fd, off, need, ahead: reserved.append(ahead) or real(fd, off, need, ahead))
-    _record(tmp_path / "t", shard_bytes=1 << 20)
-    assert reserved and all(n >= w._ALLOCATE_STEP for n in reserved)
-    monkeypatch.setattr(w, "_FALLOCATE", None)
-    _record(tmp_path / "u", shard_bytes=1 << 20)
-    for d in ("t", "u"):
-        t = Trace(tmp_path / d)
-        assert check_trace(t)["ok"]
-        for name in t.meta["shards"]:
-            raw = (tmp_path / d / name).read_bytes()
-            n = int.from_bytes(raw[:8], "little")
-            assert max(e["data_offsets"][1] for e in json.loads(raw[8:8 + n]).values()) == len(raw) - 8 - n
-    assert [(tmp_path / "t" / s).read_bytes() for s in Trace(tmp_path / "t").meta["shards"]] == \
-        [(tmp_path / "u" / s).read_bytes() for s in Trace(tmp_path / "u").meta["shards"]]
-
-
-def test_a_reservation_without_room_never_fails_a_recording_that_fits(tmp_path, monkeypatch):
-    # Reserving 32 MiB ahead on a disk (or quota, or file size limit) with less room left must not fail a
-    # recording of a few hundred KB: the reservation falls back to what is needed, then to none.
-    import ctypes
-
-    tried = []
-
-    def fallocate(fd, mode, offset, n):
-        tried.append(n)
-        if n > 64 << 10:
-            ctypes.set_errno(errno.ENOSPC)
-            return -1
-        return 0
-
-    monkeypatch.setattr(w, "_FALLOCATE", fallocate)
-    rec, out = _record(tmp_path / "t", shard_bytes=1 << 20)
-    assert max(tried) >= w._ALLOCATE_STEP and min(tried) <= 64 << 10  # asked ahead, then for what it needed
-    t = Trace(tmp_path / "t")
-    assert check_trace(t)["ok"]
-    _outputs_match(t, out)
-
-
 def test_write_path_time_is_counted_in_full_mode_only(tmp_path):
     # bench/bench_record.py reports write throughput from TraceWriter.store_seconds.
     rec, _ = _record(tmp_path / "f", shard_bytes=1 << 20)
