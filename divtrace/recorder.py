@@ -57,7 +57,8 @@ _FRESH_BUFFERS = {f"aten.{n}" for n in (
     "new_empty_strided.default", "zeros.default", "zeros_like.default", "new_zeros.default", "full.default",
     "full_like.default", "new_full.default")}
 _RAW_WRITE = ("bytes of a buffer changed without a torch op (a kernel torch does not see, such as Triton launched "
-              "directly or a C extension, wrote into it): recorded as new values from outside, with no producing op")
+              "directly, a C extension or a c10d collective, wrote into it): recorded as new values from outside, "
+              "with no producing op")
 
 
 class RecordingTerminated(KeyboardInterrupt):

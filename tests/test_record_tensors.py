@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import divtrace
+from divtrace import recorder
 from divtrace.fingerprint import tensor_hash
 from divtrace.trace.check import check_trace
 from divtrace.trace.reader import Trace
@@ -292,7 +293,10 @@ def test_dtensor_records_its_local_tensor(tmp_path):
         with torch.no_grad(), divtrace.record(m, tmp_path / "t"):
             out = m(x)
         t = Trace(tmp_path / "t")
-        assert t.complete and not t.meta["warnings"]
+        # distribute_tensor scatters through c10d into a buffer from empty_like, which no aten op writes: where
+        # the buffer's old bytes were not already those, that write is recorded as a value from outside, with
+        # the raw-write warning (tests/test_raw_writes.py); nothing else may be warned about.
+        assert t.complete and set(t.meta["warnings"]) <= {recorder._RAW_WRITE}
         assert {"aten.mm.default", "aten.relu.default"} <= {r.op for r in t.records if r.kind == "op"}
         assert same_bits(t.tensor(t.calls[0].outputs[0][1]), out.to_local())
     finally:
