@@ -23,6 +23,7 @@ Defined behaviour at the edges:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -138,6 +139,15 @@ def copy_value(v: TensorValue, **changes) -> TensorValue:
                        changes.get("derived", v.derived))
 
 
+def _forget(d: dict, key: int, ref) -> None:
+    """A tensor of the table died (its id may be reused by another). Runs as a weakref callback, wherever the
+    last reference dropped: an exception raised in it is swallowed ("Exception ignored in"), so the signal
+    handlers hold a signal that arrives while it runs (see Recorder._install_signals)."""
+    cur = d.get(key)
+    if cur is not None and cur[0] is ref:
+        del d[key]
+
+
 class TensorTable:
     """tensor -> entry by identity, without keeping tensors alive. Does what WeakTensorKeyDictionary does at a
     fifteenth of the cost per lookup (it builds a weak reference object for every lookup)."""
@@ -160,12 +170,7 @@ class TensorTable:
             d[key] = (old[0], entry)
             return
 
-        def gone(ref, key=key, d=d):  # the tensor died: its id may be reused by another
-            cur = d.get(key)
-            if cur is not None and cur[0] is ref:
-                del d[key]
-
-        d[key] = (weakref.ref(t, gone), entry)
+        d[key] = (weakref.ref(t, functools.partial(_forget, d, key)), entry)
 
 
 _MUTATED: dict = {}  # op overload -> [(position, name)] of the arguments it writes to
@@ -270,8 +275,8 @@ class Recorder:
         def handler(exc_type):
             def on_signal(signum, frame):
                 exc = exc_type("SIGTERM" if signum == signal.SIGTERM else "")
-                if _busy():
-                    _STATE.deferred = exc  # raised when the bookkeeping in progress is done
+                if _busy() or (frame is not None and frame.f_code is _forget.__code__):
+                    _STATE.deferred = exc  # raised when the bookkeeping in progress (or the next) is done
                 elif writer.critical:
                     writer.deferred = exc
                 else:

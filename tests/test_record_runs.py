@@ -204,6 +204,28 @@ def test_sigterm_during_recording(tmp_path):
     assert t.meta["unfinished_calls"] >= 1
 
 
+def test_signal_inside_a_weakref_callback_is_held_not_lost(tmp_path):
+    # The tensor table forgets dead tensors from a weakref callback, which runs wherever a last reference drops.
+    # A SIGTERM raised there is swallowed by Python ("Exception ignored in"): a CI run's recording then never
+    # stopped. Arriving there, it is held and raised at the next bookkeeping, and the trace is "terminated".
+    from divtrace import recorder
+
+    class InForget:  # the frame the signal interrupted
+        f_code = recorder._forget.__code__
+
+    m = Tiny()
+    with pytest.raises(recorder.RecordingTerminated):
+        with torch.no_grad(), divtrace.record(m, tmp_path / "t", mode="hash"):
+            m(tiny_input())
+            try:
+                signal.getsignal(signal.SIGTERM)(signal.SIGTERM, InForget())
+            except recorder.RecordingTerminated:
+                pytest.fail("raised inside the weakref callback, where Python would swallow it")
+            m(tiny_input())
+            pytest.fail("the held signal was not raised at the next bookkeeping")
+    assert Trace(tmp_path / "t").meta["status"] == "terminated"
+
+
 def test_sigkill_during_recording(tmp_path):
     out = tmp_path / "t"
     proc = _start_long_recording(tmp_path, out, mode="full")
