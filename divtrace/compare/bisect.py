@@ -10,6 +10,8 @@ left is each side's region; its first op that computes (not a view or copy) is w
 """
 from __future__ import annotations
 
+import functools
+
 import re
 import shlex
 from collections import namedtuple
@@ -347,9 +349,8 @@ class _Walker:
             return d
         # The other side's span hashes cover a whole call (the root's: the whole trace); built only when the
         # walk back from the differing value meets a value it has to look up.
-        spans = {}
-        span_b = lambda: spans.get("b") or spans.setdefault("b", self._span_hashes(self.b, cb))  # noqa: E731
-        span_a = lambda: spans.get("a") or spans.setdefault("a", self._span_hashes(self.a, ca))  # noqa: E731
+        span_b = functools.cache(lambda: self._span_hashes(self.b, cb))
+        span_a = functools.cache(lambda: self._span_hashes(self.a, ca))
         reg_a = self.region(self.a, ca, va, span_b)
         reg_b = self.region(self.b, cb, vb, span_a)
         d.region_a = [(i, self.a.rop[i]) for i in reg_a]

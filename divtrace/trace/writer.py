@@ -142,11 +142,10 @@ class ShardFile:
         head = _ENCODE(self.header).encode()
         assert len(head) == self.header_len <= self.room, (len(head), self.header_len, self.room)
         _write_at(self.fd, struct.pack("<Q", self.room) + head + b" " * (self.room - len(head)), 0)
-        size = 8 + self.room + self.size
         os.close(self.fd)
         self.fd = None
         os.replace(self.tmp, self.path)
-        return size
+        return 8 + self.room + self.size
 
     def discard(self) -> None:
         if self.fd is not None:
