@@ -11,7 +11,6 @@ left is each side's region; its first op that computes (not a view or copy) is w
 from __future__ import annotations
 
 import functools
-
 import re
 import shlex
 from collections import namedtuple
