@@ -165,7 +165,7 @@ def main(argv=None) -> int:
         "recording_extra_s": statistics.median(extra),
         "recording_vs_safetensors": t_save / max(statistics.median(extra), 1e-9),
         # the write path alone, timed inside the recording (TraceWriter.store_seconds: writing the values' bytes
-        # and finishing the shards), without the difference of two noisy forwards
+        # and finishing the shards), without the difference of two noisy forwards; [1:] drops the warm-up run
         "write_path_s": statistics.median(full_run.store_seconds[1:]),
         "write_path_vs_safetensors": t_save / max(statistics.median(full_run.store_seconds[1:]), 1e-9),
         "write_shard_s": wsec["write_shard"],

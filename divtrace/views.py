@@ -3,7 +3,7 @@
 A view op (`w.t()`, a transpose, an expand, a slice) of a recorded value produces values that are a function of
 the input's logical values and the op's constant arguments. Hashing such a view means gathering its bytes one
 stride at a time (the transposed weights alone were a quarter of a hash recording), and storing it in full mode
-means a contiguous copy and its bytes again (170 MB of a 592 MB trace of the bench model). So the recorder gives
+means a contiguous copy and its bytes again (188 MB of a 592 MB trace of the bench model). So the recorder gives
 it a fingerprint derived from the op, its constant arguments and the input's fingerprint (`view_fingerprint`),
 marks it `derived`, and full mode stores no bytes for it: a reader applies the same aten op to the input's
 stored bytes (`rebuild_view`) and checks the result against the derived fingerprint.
@@ -49,8 +49,7 @@ def view_fingerprint(op: str, src_hash: str, src_dtype: str, src_shape: list, sh
 
 def rebuildable(enc_args: list, enc_kwargs: dict) -> bool:
     """Whether a reader can turn these encoded arguments back into the call (ints, bools, None, int lists and
-    tuples, and exactly one tensor), so full mode may store the view's bytes as "rebuild from the
-    op"."""
+    tuples, and exactly one tensor), so full mode may store the view as "rebuild from the op"."""
     tensors = 0
 
     def plain(x) -> bool:

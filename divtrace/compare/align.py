@@ -109,7 +109,7 @@ class ValueComparator:
             return False
         ka, kb = self._ka[va], self._kb[vb]
         da, db = va in self.a.vderived, vb in self.b.vderived
-        return ((da or db) and not (da and not self._full_a) and not (db and not self._full_b)
+        return ((da or db) and (self._full_a or not da) and (self._full_b or not db)
                 and ka[0] == kb[0] and ka[1] == kb[1] and self.a.real_key(va) == self.b.real_key(vb))
 
     @property
