@@ -1,9 +1,10 @@
-"""Build hook for the optional C fingerprint kernel; everything else is in pyproject.toml.
+"""Build hook for the two optional C extensions; everything else is in pyproject.toml.
 
-The kernel has no dependency beyond the CPython API. Where no C compiler is available the build of the
-extension is skipped (optional=True) and divtrace hashes with torch ops instead: same fingerprints, slower.
+Neither has a dependency beyond the CPython API. Where no C compiler is available their build is skipped
+(optional=True) and divtrace does the same in Python, slower: `_native` is the fingerprint kernel (else torch
+ops hash), `_index` reads records.jsonl into the reader's index (else json and trace/reader.py's loop).
 """
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("divtrace._native", ["divtrace/_native.c"], extra_compile_args=["-O3"],
-                             optional=True)])
+setup(ext_modules=[Extension("divtrace._native", ["divtrace/_native.c"], extra_compile_args=["-O3"], optional=True),
+                   Extension("divtrace._index", ["divtrace/_index.c"], extra_compile_args=["-O2"], optional=True)])

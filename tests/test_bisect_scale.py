@@ -28,8 +28,11 @@ from test_trace_fixtures import Tiny, edit_meta, tiny_input
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_bisect  # noqa: E402
 
-INDEX = ("vkey", "vprod", "vsrc", "vblob", "rcall", "rop", "rin", "rout", "calls", "_open", "_call_counts",
-         "torn_tail", "verified", "warnings")
+INDEX = ("vkey", "vprod", "vsrc", "vblob", "vderived", "rcall", "rop", "rin", "rout", "calls", "_open",
+         "_call_counts", "torn_tail", "verified", "warnings")
+READERS = ("reference", "python", "native")  # Trace._read_reference; _index_fast alone; divtrace._index first
+
+needs_native = pytest.mark.skipif(reader._native_index_records is None, reason="divtrace._index was not built")
 
 
 def _record(path: Path, mode: str) -> Path:
@@ -46,16 +49,17 @@ def bases(tmp_path_factory):
     return {"hash": _record(d / "hash", "hash"), "full": _record(d / "full", "full")}
 
 
-def _read(path: Path, fast: bool):
-    """('error', message) or ('ok', everything the trace holds), read with the fast reader or the reference."""
-    old = Trace.FAST
-    Trace.FAST = fast
+def _read(path: Path, fast: bool, native: bool = False):
+    """('error', message) or ('ok', everything the trace holds), read with the reference reader (fast=False),
+    the Python fast reader, or the C reader first (native=True)."""
+    old = Trace.FAST, Trace.NATIVE
+    Trace.FAST, Trace.NATIVE = fast, native
     try:
         t = Trace(path)
     except DivtraceError as e:
         return ("error", str(e)), None
     finally:
-        Trace.FAST = old
+        Trace.FAST, Trace.NATIVE = old
     state = {k: getattr(t, k) for k in INDEX}
     state["records"] = list(t.records)
     state["values"] = dict(t.values.items())
@@ -127,15 +131,16 @@ def _mutations(lines: list[bytes], rng: random.Random, n: int):
 
 
 @pytest.mark.parametrize("base,unverified,n", [("hash", False, 700), ("full", False, 300), ("hash", True, 300)])
-def test_fast_reader_agrees_with_the_reference(bases, tmp_path, base, unverified, n):
-    """Whatever the edit, the fast reader gives the reference's error, or the same trace."""
+def test_fast_readers_agree_with_the_reference(bases, tmp_path, base, unverified, n):
+    """Whatever the edit, the Python fast reader and the C reader give the reference's error, or the same
+    trace (the same index and chunks, for the two fast ones)."""
     import shutil
 
     t = shutil.copytree(bases[base], tmp_path / "t")
     if unverified:
         _unverify(t)
     lines = (t / "records.jsonl").read_bytes().splitlines()
-    same = fast_ok = errors = 0
+    same = fast_ok = native_ok = errors = 0
     for data in _mutations(lines, random.Random(f"{base}-{unverified}"), n):
         (t / "records.jsonl").write_bytes(data)
         if not unverified:
@@ -144,11 +149,144 @@ def test_fast_reader_agrees_with_the_reference(bases, tmp_path, base, unverified
         got, trace = _read(t, fast=True)
         assert got == ref, (data.decode(errors="replace")[:2000], got[1] if got[0] == "error" else "ok",
                             ref[1] if ref[0] == "error" else "ok")
+        got_native, trace_native = _read(t, fast=True, native=True)
+        assert got_native == ref, (data.decode(errors="replace")[:2000], got_native[1][:300], ref[1][:300])
+        if trace is not None and trace.read_fast:
+            assert trace_native._chunks == trace._chunks
         same += 1
         errors += ref[0] == "error"
         fast_ok += trace is not None and trace.read_fast
-    # Both kinds of outcome were exercised, and the fast reader took most of the valid edits itself.
+        native_ok += trace_native is not None and trace_native.read_native
+    # Both kinds of outcome were exercised, and the fast reader took most of the valid edits itself. (The C
+    # reader gives up on any edit that leaves the writer's form, such as re-spaced or reordered keys.)
     assert errors > n // 4 and fast_ok > (same - errors) // 2, (same, errors, fast_ok)
+    if reader._native_index_records is not None:
+        assert native_ok > (same - errors) // 3, (same, errors, native_ok)
+
+
+@needs_native
+@pytest.mark.parametrize("mode", ["hash", "full"])
+def test_native_reader_builds_what_the_python_readers_build(bases, mode):
+    ref, _ = _read(bases[mode], fast=False)
+    fast, t = _read(bases[mode], fast=True)
+    native, n = _read(bases[mode], fast=True, native=True)
+    assert n.read_native and not t.read_native and native == fast == ref and n._chunks == t._chunks
+    assert n.records[5] == t.records[5] and dict(n.values.items()) == dict(t.values.items())
+
+
+def _with(d: dict, after: str, key: str, value) -> dict:
+    """`d` with `key` set right after `after` (the writer's key order)."""
+    out = {}
+    for k, v in d.items():
+        if k != key:
+            out[k] = v
+        if k == after:
+            out[key] = value
+    return out
+
+
+# Edits in the writer's exact form (so the C reader reads them through) that break what a record means:
+# (name, line index in the Tiny hash trace or None for every line, edit of its parsed JSON). Line 2 is an op (aten.t) whose values
+# are weight 1 (from outside) and its derived view 2; 3 is an op (addmm); 13 a later root call's enter.
+_MEANING_EDITS = [
+    ("producer is another record", 3, lambda d: d["V"][1].update(p=4)),
+    ("vid defined twice", 3, lambda d: d["V"][0].update(v=0)),
+    ("negative vid", None, lambda d: _renamed_vid(d, 3, -3)),
+    ("unknown dtype", 3, lambda d: d["V"][0].update(d="float7")),
+    ("hash in upper case", 3, lambda d: d["V"][0].update(h=d["V"][0]["h"].upper())),
+    ("hash too short", 3, lambda d: d["V"][0].update(h=d["V"][0]["h"][:31])),
+    ("negative dim", 3, lambda d: d["V"][0].update(s=[-16])),
+    ("stride of another rank", 3, lambda d: d["V"].__setitem__(1, _with(d["V"][1], "p", "t", [1]))),
+    ("derived without producer", 2, lambda d: d["V"].__setitem__(0, {**d["V"][0], "r": 1})),
+    ("derived mark 2", 2, lambda d: d["V"][1].update(r=2)),
+    ("stored bytes in a hash trace", 3, lambda d: d["V"].__setitem__(0, {**d["V"][0], "b": "x", "f": "tensors-00000.safetensors"})),
+    ("four stats", 3, lambda d: d["V"][0].update(m=d["V"][0]["m"][:4])),
+    ("stats not a dict", 3, lambda d: d["V"].__setitem__(0, {("M" if k == "m" else k): v for k, v in d["V"][0].items()})),
+    ("kwargs a list", 3, lambda d: _swap(d, _with(d, "o", "kw", []))),
+    ("args an object", 3, lambda d: d.update(a={})),
+    ("index skips", 3, lambda d: d.update(i=4)),
+    ("unknown kind", 3, lambda d: d.update(k="z")),
+    ("input never defined", 3, lambda d: d["in"].append(10**6)),
+    ("output another op made", 3, lambda d: d["out"].append(2)),
+    ("output listed twice", 3, lambda d: d["out"].append(4)),
+    ("value it produced not an output", 3, lambda d: d.update(out=[])),
+    ("op in a call not open", 3, lambda d: d.update(c=2)),
+    # every record of call 4 (the second root call) renamed call 1, an id the first root call's child used
+    ("enter of a call id used before", None, lambda d: d.update({k: 1 for k in ("c", "p") if d.get(k) == 4})),
+    ("call number skips", 13, lambda d: d.update(n=2)),
+    ("parent not open", 14, lambda d: d.update(p=0)),
+    ("exit of a call not open", 4, lambda d: d.update(c=10**6)),
+    ("exit output never defined", 4, lambda d: d.update(out=[["out", 10**6]])),
+    ("enter input from its own values", 13, lambda d: None),
+]
+
+
+def _renamed_vid(d: dict, old: int, new: int) -> None:
+    """Value `old` called `new` wherever an op record defines or reads it (the bias of the Tiny trace's Linear)."""
+    for v in d.get("V", ()):
+        if v["v"] == old:
+            v["v"] = new
+    if d["k"] == "o":
+        d["in"] = [new if x == old else x for x in d["in"]]
+
+
+def _swap(d: dict, new: dict) -> None:
+    d.clear()
+    d.update(new)
+
+
+@needs_native
+@pytest.mark.parametrize("name,line,edit", _MEANING_EDITS, ids=[e[0] for e in _MEANING_EDITS])
+def test_native_reader_checks_what_a_record_means(bases, tmp_path, name, line, edit):
+    """Each edit keeps the writer's form, so the C reader itself must decide: as the reference does."""
+    import shutil
+
+    t = shutil.copytree(bases["hash"], tmp_path / "t")
+    lines = (t / "records.jsonl").read_bytes().splitlines()
+    for i in range(len(lines)) if line is None else [line]:
+        d = json.loads(lines[i])
+        edit(d)
+        lines[i] = json.dumps(d, separators=(",", ":")).encode()
+    (t / "records.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    _reseal(t)
+    ref, _ = _read(t, fast=False)
+    got, trace = _read(t, fast=True, native=True)
+    assert got == ref
+    if name in ("output listed twice", "enter input from its own values"):
+        assert ref[0] == "ok" and trace.read_native  # both accept
+    else:
+        assert ref[0] == "error"
+
+
+def _planted(line: bytes) -> list[bytes]:
+    """Lines the C reader must give up on (each still a JSON object, most of them a valid record): another
+    key order, spacing, an escape, a float where an int goes, NaN, an extra key, deep nesting."""
+    doc = json.loads(line)
+    return [json.dumps(doc).encode(), json.dumps(dict(reversed(list(doc.items()))), separators=(",", ":")).encode(),
+            line.replace(b'"k":', b'"k" :'), line.replace(b'"i":', b'"i":1e0,"j":', 1),
+            line[:-1] + b',"zz":1}', line.replace(b'"V":[', b'"V":[ ', 1),
+            line.replace(b'"a":[', b'"a":[' + b"[" * 70 + b"]" * 70 + b",", 1),
+            line.replace(b'"a":[', b'"a":["\\u00e9",NaN,', 1)]
+
+
+@needs_native
+def test_native_reader_gives_up_on_anything_but_the_writers_form(bases, tmp_path):
+    """Each planted line, alone in an otherwise untouched trace: the C reader gives up (never accepts), and
+    the trace reads exactly as the reference reads it."""
+    import shutil
+
+    t = shutil.copytree(bases["hash"], tmp_path / "t")
+    lines = (t / "records.jsonl").read_bytes().splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith(b'{"k":"o"') and b'"V":[' in line)
+    tried = 0
+    for planted in _planted(lines[i]):
+        (t / "records.jsonl").write_bytes(b"\n".join(lines[:i] + [planted] + lines[i + 1:]) + b"\n")
+        _reseal(t)
+        ref, _ = _read(t, fast=False)
+        got, trace = _read(t, fast=True, native=True)
+        assert got == ref and (trace is None or not trace.read_native), planted
+        tried += 1
+    assert tried == 8
 
 
 def test_records_split_across_lines_are_built_as_validated(bases, tmp_path):
@@ -233,15 +371,17 @@ def test_hash_bisect_never_imports_torch(tmp_path):
 def test_bisect_is_the_same_on_either_reader(tmp_path, mode):
     a, b = record_pair(tmp_path, "all", mode=mode)
     results = []
-    for fast in (True, False):
-        Trace.FAST = fast
+    for fast, native in ((True, True), (True, False), (False, False)):
+        Trace.FAST, Trace.NATIVE = fast, native
         try:
             ta, tb = Trace(a), Trace(b)
             assert ta.read_fast is fast and tb.read_fast is fast
+            assert ta.read_native is tb.read_native is (native and reader._native_index_records is not None)
             results.append(divtrace.bisect(ta, tb).to_dict())
         finally:
-            Trace.FAST = True
-    assert results[0] == results[1] and results[0]["verdict"] == "diverged" and results[0]["compared"] > 10
+            Trace.FAST, Trace.NATIVE = True, True
+    assert results[0] == results[1] == results[2]
+    assert results[0]["verdict"] == "diverged" and results[0]["compared"] > 10
 
 
 def test_torch_free_tables_match_torch():

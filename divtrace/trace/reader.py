@@ -26,6 +26,11 @@ from divtrace.records import (FORMAT_VERSION, ModuleCall, ModuleEnter, ModuleExi
                               contiguous_stride, stats_from_compact)
 from divtrace.trace.files import CHECKSUMS, META, RECORDS, sha256_file
 
+try:  # the C reader of records.jsonl (optional: built where a C compiler is; see _read_fast)
+    from divtrace._index import index_records as _native_index_records
+except ImportError:
+    _native_index_records = None
+
 # torch is imported only where tensors are really needed (loading bytes, dtype objects): reading a hash trace
 # and bisecting it needs none, and importing torch costs seconds and ~220 MB.
 
@@ -158,6 +163,7 @@ class Trace:
         self.torn_tail = False  # bytes after the last whole, verified flush were dropped
         self.verified = True  # records.jsonl matched a recorded sha256
         self.read_fast = False  # the fast reader built the index (see _read_fast)
+        self.read_native = False  # ... and it was the C one
         self.warnings: list[str] = []
         self._shard_sums: dict[str, str] = {}
         self._reset()
@@ -328,14 +334,25 @@ class Trace:
     # anything else, malformed or merely unusual, so every error comes from the reference.
     # tests/test_bisect_scale.py checks the two against each other on mutated traces. FAST = False reads with
     # the reference alone.
+    #
+    # Before both, the C reader divtrace._index (NATIVE) tries: it builds the same index from the bytes without
+    # json (5-10x faster), accepts only lines in the writer's exact form, and gives up on anything else, after
+    # which the Python fast reader starts again. tests/test_bisect_scale.py checks all three against each other.
     FAST = True
+    NATIVE = True
     _CHUNK = 1 << 15  # bytes of records.jsonl parsed at once (about 150 lines): small enough to stay in cache
 
     def _read_fast(self, raw: bytes) -> bool:
         cut = raw.rfind(b"\n") + 1
         body = raw[:cut] if cut != len(raw) else raw
+        ok = False
+        if self.NATIVE and _native_index_records is not None:
+            ok = self._index_native(body)
+            self.read_native = ok
+            if not ok:
+                self._reset()
         try:
-            ok = self._index_fast(self._parsed_chunks(body))
+            ok = ok or self._index_fast(self._parsed_chunks(body))
         except Exception:  # not JSON, a missing key, an unhashable dtype...: the reference says which line
             return False
         if ok:
@@ -345,6 +362,31 @@ class Trace:
         self.read_fast = ok
         return ok
 
+    def _index_native(self, body: bytes) -> bool:
+        """The index built by the C reader; False (the index partly filled) when a line is not in the writer's
+        exact form. Every line then is one record, so the chunks are those _parsed_chunks would have parsed."""
+        try:
+            ok = _native_index_records(body, self._full, _DTYPE_INFO, self.vkey, self.vsrc, self.vprod, self.vblob,
+                                       self.vderived, self.calls, self._open, self._call_counts, self.rcall,
+                                       self.rop, self.rin, self.rout, ModuleCall)
+        except MemoryError:
+            return False
+        if ok and self.verified:
+            first, chunks = 0, []
+            for start, stop in self._chunk_spans(body):
+                chunks.append((first, start))
+                first += body.count(b"\n", start, stop)
+            self._chunks = chunks
+        return ok
+
+    def _chunk_spans(self, body: bytes):
+        """(start, stop) of each chunk of whole lines that verified bytes are parsed in."""
+        size, start, end = self._CHUNK, 0, len(body)
+        while start < end:
+            stop = body.find(b"\n", min(start + size, end - 1)) + 1
+            yield start, stop
+            start = stop
+
     def _parsed_chunks(self, body: bytes):
         """The lines of `body` parsed, in order, as lists of consecutive lines; raises ValueError unless every
         line is one JSON document. Verified bytes are parsed a chunk of lines at a time (one json.loads per
@@ -352,16 +394,14 @@ class Trace:
         if not self.verified:
             yield [json.loads(line) for line in body.split(b"\n")[:-1]]
             return
-        loads, size, start, end, first, chunks = json.loads, self._CHUNK, 0, len(body), 0, []
-        while start < end:
-            stop = body.find(b"\n", min(start + size, end - 1)) + 1
+        loads, first, chunks = json.loads, 0, []
+        for start, stop in self._chunk_spans(body):
             chunks.append((first, start))
             parsed = loads(self._chunk_text(body, start, stop))
             if len(parsed) != body.count(b"\n", start, stop):
                 raise ValueError("not one JSON document per line")
             yield parsed
             first += len(parsed)
-            start = stop
         self._chunks = chunks
 
     @staticmethod
