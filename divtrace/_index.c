@@ -23,14 +23,16 @@ typedef struct {
     const char *p, *end; /* end: the line's '\n' (never a valid byte inside a token, so scans stop there) */
 } cursor;
 
-/* Interned strings (op and module names, keys, dtype and shard names): one object per distinct name. */
+/* Interned strings (op and module names, keys, dtype and shard names): one object per distinct name. The
+   table never lets go of a string while a read is running: callers hold borrowed references across a record. */
 typedef struct {
     PyObject *str[INTERN_SLOTS];
     uint32_t hash[INTERN_SLOTS];
+    PyObject *overflow; /* a list of the strings that found no free slot (a crowded table), or NULL */
 } interns;
 
 static int lit(cursor *c, const char *s, size_t n) {
-    if ((size_t)(c->end - c->p) < n || memcmp(c->p, s, n) != 0)
+    if (c->p > c->end || (size_t)(c->end - c->p) < n || memcmp(c->p, s, n) != 0)
         return 0;
     c->p += n;
     return 1;
@@ -99,14 +101,13 @@ static PyObject *intern_str(interns *t, const char *s, Py_ssize_t n) {
         if (t->hash[slot] == h && PyUnicode_GET_LENGTH(o) == n && memcmp(PyUnicode_DATA(o), s, n) == 0)
             return o;
     }
-    /* the table is crowded here: a string of its own (kept, so the borrowed reference stays valid) */
-    PyObject *o = new_str(s, n);
-    if (o == NULL)
+    /* the table is crowded here: a string of its own, kept until the read ends */
+    if (t->overflow == NULL && (t->overflow = PyList_New(0)) == NULL)
         return NULL;
-    uint32_t slot = h % INTERN_SLOTS;
-    Py_DECREF(t->str[slot]);
-    t->str[slot] = o, t->hash[slot] = h;
-    return o;
+    PyObject *o = new_str(s, n);
+    int bad = o == NULL || PyList_Append(t->overflow, o) < 0;
+    Py_XDECREF(o);
+    return bad ? NULL : o;
 }
 
 /* Any JSON value in the compact form, checked and skipped. */
@@ -139,16 +140,21 @@ static int skip_value(cursor *c, int depth) {
         return 1;
     if (parse_int(c, &dummy))
         return 1;
-    /* a float: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? */
-    const char *p = c->p;
+    /* a float: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?, or a long integer */
+    const char *p = c->p, *digits;
     if (*p == '-')
         p++;
+    digits = p;
     if (*p == '0')
         p++;
     else if (*p >= '1' && *p <= '9')
         while (*p >= '0' && *p <= '9')
             p++;
     else
+        return 0;
+    /* json.loads refuses integers longer than sys.get_int_max_str_digits() (4300 by default, 640 at the
+       least): give up on long ones and let Python decide */
+    if (*p != '.' && *p != 'e' && *p != 'E' && p - digits > 640)
         return 0;
     if (*p == '.') {
         p++;
@@ -208,7 +214,7 @@ typedef struct {
     PyObject *str_ops, *str_children, *str_exit_index, *str_outputs;
     PyObject *last_ops; /* the ops list of call last_call (most op records follow one another in one call) */
     long long last_call;
-    interns names;
+    interns *names;
 } index_state;
 
 /* [["key", vid], ...] as a list of (key, vid) tuples (the vids are checked once the record's values are in). */
@@ -228,7 +234,7 @@ static PyObject *pairs(index_state *S, cursor *c, int *gave_up) {
             Py_DECREF(out);
             return *gave_up = 1, NULL;
         }
-        PyObject *key = intern_str(&S->names, s, n);
+        PyObject *key = intern_str(S->names, s, n);
         PyObject *v = key ? PyLong_FromLongLong(vid) : NULL;
         PyObject *pair = v ? PyTuple_Pack(2, key, v) : NULL;
         Py_XDECREF(v);
@@ -292,7 +298,7 @@ static int value(index_state *S, cursor *c, long long index, int is_op, PyObject
     int gave_up = 0, has_p = 0, derived = 0;
     if (!(LIT(c, "{\"v\":") && parse_int(c, &vid) && vid >= 0 && LIT(c, ",\"d\":") && scan_str(c, &s, &n)))
         return 0;
-    PyObject *dname = intern_str(&S->names, s, n);
+    PyObject *dname = intern_str(S->names, s, n);
     if (dname == NULL)
         return -1;
     PyObject *info = PyDict_GetItemWithError(S->dtype_info, dname);
@@ -354,7 +360,7 @@ static int value(index_state *S, cursor *c, long long index, int is_op, PyObject
         if (derived && PySet_Add(S->vderived, v) < 0)
             r = -1;
         if (r == 1 && S->full && !derived) {
-            PyObject *b = new_str(bs, bn), *f = b ? intern_str(&S->names, fs, fn) : NULL;
+            PyObject *b = new_str(bs, bn), *f = b ? intern_str(S->names, fs, fn) : NULL;
             PyObject *bf = f ? PyTuple_Pack(2, b, f) : NULL;
             if (bf == NULL || PyDict_SetItem(S->vblob, v, bf) < 0)
                 r = -1;
@@ -386,13 +392,6 @@ static int values(index_state *S, cursor *c, long long index, int is_op, PyObjec
     }
 }
 
-static int in_set(PyObject *set, long long k) {
-    PyObject *key = PyLong_FromLongLong(k);
-    int r = key ? PySet_Contains(set, key) : -1;
-    Py_XDECREF(key);
-    return r;
-}
-
 /* Every vid of an op's inputs defined, every output produced by this op (and every value it produced among
    them). 1, 0 or -1. */
 static int op_links(index_state *S, PyObject *inputs, PyObject *outputs, long long index, int produced) {
@@ -402,6 +401,8 @@ static int op_links(index_state *S, PyObject *inputs, PyObject *outputs, long lo
             return r;
     }
     Py_ssize_t n = PyList_GET_SIZE(outputs), distinct = 0;
+    if (n > 64)
+        return 0; /* counted below in n**2 steps: the Python readers count long lists with a set */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *o = PyList_GET_ITEM(outputs, i);
         PyObject *p = PyDict_GetItemWithError(S->vprod, o);
@@ -436,7 +437,7 @@ static int op_record(index_state *S, cursor *c, long long index, long long call_
     int gave_up = 0, produced = 0;
     if (!(LIT(c, ",\"op\":") && scan_str(c, &s, &n)))
         return 0;
-    PyObject *op = intern_str(&S->names, s, n);
+    PyObject *op = intern_str(S->names, s, n);
     if (op == NULL)
         return -1;
     if (!(LIT(c, ",\"a\":") && *c->p == '[' && skip_value(c, 0) && LIT(c, ",\"o\":") && skip_value(c, 0)))
@@ -489,7 +490,7 @@ static int enter_record(index_state *S, cursor *c, long long index, PyObject *ci
     int gave_up = 0, has_parent = 0, produced = 0;
     if (!(LIT(c, ",\"m\":") && scan_str(c, &s, &n)))
         return 0;
-    PyObject *module = intern_str(&S->names, s, n);
+    PyObject *module = intern_str(S->names, s, n);
     if (module == NULL)
         return -1;
     if (!(LIT(c, ",\"n\":") && parse_int(c, &call) && call >= 0 && LIT(c, ",\"in\":")))
@@ -572,6 +573,8 @@ static int record(index_state *S, cursor *c, long long index) {
     long long i, call_id;
     if (!LIT(c, "{\"k\":\""))
         return 0;
+    if (c->p >= c->end)
+        return 0;
     char kind = *c->p++;
     if (!(LIT(c, "\",\"i\":") && parse_int(c, &i) && i == index && LIT(c, ",\"c\":") && parse_int(c, &call_id)))
         return 0;
@@ -594,7 +597,7 @@ static int record(index_state *S, cursor *c, long long index) {
    rin, rout, module_call) -> bool. body: whole lines (each ending in '\n'). */
 static PyObject *py_index_records(PyObject *self, PyObject *args) {
     Py_buffer body;
-    index_state S;
+    index_state S; /* the intern table (48 KiB) lives on the heap: threads may have small stacks */
     memset(&S, 0, sizeof S);
     if (!PyArg_ParseTuple(args, "y*pO!O!O!O!O!O!O!O!O!O!O!O!O!O", &body, &S.full, &PyDict_Type, &S.dtype_info,
                           &PyDict_Type, &S.vkey, &PyDict_Type, &S.vsrc, &PyDict_Type, &S.vprod, &PyDict_Type,
@@ -602,6 +605,11 @@ static PyObject *py_index_records(PyObject *self, PyObject *args) {
                           &PyDict_Type, &S.counts, &PyList_Type, &S.rcall, &PyList_Type, &S.rop, &PyList_Type,
                           &S.rin, &PyList_Type, &S.rout, &S.module_call))
         return NULL;
+    S.names = (interns *)PyMem_Calloc(1, sizeof(interns));
+    if (S.names == NULL) {
+        PyBuffer_Release(&body);
+        return PyErr_NoMemory();
+    }
     S.str_ops = PyUnicode_InternFromString("ops");
     S.str_children = PyUnicode_InternFromString("children");
     S.str_exit_index = PyUnicode_InternFromString("exit_index");
@@ -624,7 +632,9 @@ static PyObject *py_index_records(PyObject *self, PyObject *args) {
     Py_XDECREF(S.str_exit_index);
     Py_XDECREF(S.str_outputs);
     for (int i = 0; i < INTERN_SLOTS; i++)
-        Py_XDECREF(S.names.str[i]);
+        Py_XDECREF(S.names->str[i]);
+    Py_XDECREF(S.names->overflow);
+    PyMem_Free(S.names);
     PyBuffer_Release(&body);
     if (r < 0)
         return NULL;

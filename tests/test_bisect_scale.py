@@ -266,7 +266,9 @@ def _planted(line: bytes) -> list[bytes]:
             line.replace(b'"k":', b'"k" :'), line.replace(b'"i":', b'"i":1e0,"j":', 1),
             line[:-1] + b',"zz":1}', line.replace(b'"V":[', b'"V":[ ', 1),
             line.replace(b'"a":[', b'"a":[' + b"[" * 70 + b"]" * 70 + b",", 1),
-            line.replace(b'"a":[', b'"a":["\\u00e9",NaN,', 1)]
+            line.replace(b'"a":[', b'"a":["\\u00e9",NaN,', 1),
+            line.replace(b'"a":[', b'"a":[' + b"1" * 5000 + b",", 1),  # json refuses ints over 4300 digits
+            b'{"k":"']
 
 
 @needs_native
@@ -286,7 +288,57 @@ def test_native_reader_gives_up_on_anything_but_the_writers_form(bases, tmp_path
         got, trace = _read(t, fast=True, native=True)
         assert got == ref and (trace is None or not trace.read_native), planted
         tried += 1
-    assert tried == 8
+    assert tried == 10
+
+
+@needs_native
+def test_native_reader_stops_at_a_line_cut_after_its_kind(bases, tmp_path):
+    """The last line cut right where the kind letter goes: nothing past the end is read (found with ASan)."""
+    import shutil
+
+    t = shutil.copytree(bases["hash"], tmp_path / "t")
+    (t / "records.jsonl").write_bytes((t / "records.jsonl").read_bytes() + b'{"k":"\n')
+    _reseal(t)
+    ref, _ = _read(t, fast=False)
+    got, _ = _read(t, fast=True, native=True)
+    assert got == ref and ref[0] == "error"
+
+
+def _fnv_slot(name: str) -> int:
+    """The slot divtrace._index's intern table (FNV-1a, 4096 slots) first tries for `name`."""
+    h = 2166136261
+    for b in name.encode():
+        h = ((h ^ b) * 16777619) & 0xFFFFFFFF
+    return h % 4096
+
+
+@needs_native
+def test_native_reader_with_a_crowded_intern_table(bases, tmp_path):
+    """Nine names that all want one slot of the intern table, in one record: the module name (interned first)
+    is still used after the eighth key has found the table crowded there. It must not have been let go (a
+    use-after-free, found by review: the process crashed)."""
+    import shutil
+
+    by_slot: dict = {}
+    for i in range(10**6):
+        names = by_slot.setdefault(_fnv_slot(f"n{i}"), [])
+        names.append(f"n{i}")
+        if len(names) == 9:
+            break
+    module, keys = names[0], names[1:]
+    t = shutil.copytree(bases["hash"], tmp_path / "t")
+    lines = (t / "records.jsonl").read_bytes().splitlines()
+    d = json.loads(lines[1])
+    assert d["m"] == "lin" and d["in"] == [["args.0", 0]]
+    d.update(m=module, **{"in": [[k, 0] for k in keys]})
+    lines[1] = json.dumps(d, separators=(",", ":")).encode()
+    lines = [line.replace(b'"m":"lin"', f'"m":"{module}"'.encode()) for line in lines]
+    (t / "records.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    _reseal(t)
+    ref, _ = _read(t, fast=False)
+    got, trace = _read(t, fast=True, native=True)
+    assert got == ref and trace.read_native
+    assert trace.calls[1].module == module and [k for k, _ in trace.calls[1].inputs] == keys
 
 
 def test_records_split_across_lines_are_built_as_validated(bases, tmp_path):

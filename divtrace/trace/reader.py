@@ -369,7 +369,7 @@ class Trace:
             ok = _native_index_records(body, self._full, _DTYPE_INFO, self.vkey, self.vsrc, self.vprod, self.vblob,
                                        self.vderived, self.calls, self._open, self._call_counts, self.rcall,
                                        self.rop, self.rin, self.rout, ModuleCall)
-        except MemoryError:
+        except Exception:  # out of memory, or anything unforeseen: the Python readers decide
             return False
         if ok and self.verified:
             first, chunks = 0, []
