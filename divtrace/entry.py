@@ -92,7 +92,7 @@ def run_model(model, inputs, grad_mode: str = "no_grad"):
 
 
 def record_entry(entry: str, out, *, args: dict | None = None, mode: str = "full", ops: bool = True,
-                 include=None, exclude=None, label=None, overwrite=False, grad_mode="no_grad"):
+                 include=None, exclude=None, label=None, overwrite=False, grad_mode="no_grad", durable=False):
     """Build the model from ENTRY and record one forward into `out`. Returns the forward's wall time (s)."""
     import time
 
@@ -102,7 +102,7 @@ def record_entry(entry: str, out, *, args: dict | None = None, mode: str = "full
         raise DivtraceError(f"--grad-mode must be one of {', '.join(GRAD_MODES)}, got {grad_mode!r}")
     model, inputs = build_from_entry(entry, args)
     rec = record(model, out, mode=mode, ops=ops, label=label, include=include, exclude=exclude, overwrite=overwrite,
-                 extra_meta={"entry": entry, "entry_args": args or {}, "grad_mode": grad_mode})
+                 extra_meta={"entry": entry, "entry_args": args or {}, "grad_mode": grad_mode}, durable=durable)
     with rec:
         t0 = time.perf_counter()
         run_model(model, inputs, grad_mode)

@@ -212,7 +212,7 @@ class Recorder:
     """The context manager returned by `divtrace.record`."""
 
     def __init__(self, model, path, *, mode="full", ops=True, label=None, include=None, exclude=None,
-                 overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096):
+                 overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False):
         if not isinstance(model, torch.nn.Module):
             raise DivtraceError(f"record() needs a torch.nn.Module, got {type(model).__name__}")
         if mode not in ("full", "hash"):
@@ -225,6 +225,7 @@ class Recorder:
             raise DivtraceError(f"bad include/exclude regex: {e}") from None
         self._include_src, self._exclude_src = include, exclude
         self._overwrite, self._shard_bytes, self._flush_records = overwrite, shard_bytes, flush_records
+        self._durable = durable
         self._extra_meta = dict(extra_meta or {})
         self._handles: list = []
         self._stack: list[_Frame] = []
@@ -253,7 +254,8 @@ class Recorder:
                 "module_tree": [[name, type(m).__name__] for name, m in self.model.named_modules()],
                 **run_environment(device), **self._extra_meta}
         self.writer = TraceWriter(self.path, mode=self.mode, meta=meta, overwrite=self._overwrite,
-                                  shard_bytes=self._shard_bytes, flush_records=self._flush_records)
+                                  shard_bytes=self._shard_bytes, flush_records=self._flush_records,
+                                  durable=self._durable)
         _ACTIVE_MODELS.add(id(self.model))
         _ACTIVE.append(self)
         for name, m in self.model.named_modules():
@@ -718,12 +720,17 @@ class _OpMode(TorchDispatchMode):
 
 
 def record(model, path, *, mode="full", ops=True, label=None, include=None, exclude=None, overwrite=False,
-           shard_bytes=128 << 20, extra_meta=None, flush_records=4096) -> Recorder:
+           shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False) -> Recorder:
     """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
 
     `flush_records` bounds how many records may be lost if the process is killed (they are written in
     batches of that many). `shard_bytes` is the size of a full-mode shard file; full mode holds no tensor
     bytes in memory (each value is written into the open shard when it is produced).
+
+    A trace is readable after the process crashes or is killed at any point (atomic renames, checksummed
+    records). `durable=True` also fsyncs records.jsonl and meta.json at close, so a finished trace survives an
+    OS crash or power loss right after; it is off by default because fsync on a busy disk can stall for
+    hundreds of milliseconds, and a trace cut short that way reads as an error, never as a wrong trace.
 
     Example::
 
@@ -732,4 +739,4 @@ def record(model, path, *, mode="full", ops=True, label=None, include=None, excl
     """
     return Recorder(model, path, mode=mode, ops=ops, label=label, include=include, exclude=exclude,
                     overwrite=overwrite, shard_bytes=shard_bytes, extra_meta=extra_meta,
-                    flush_records=flush_records)
+                    flush_records=flush_records, durable=durable)

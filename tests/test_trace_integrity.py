@@ -257,3 +257,46 @@ def test_unrelated_models_are_refused_clearly(tmp_path):
     with torch.no_grad(), divtrace.record(m, tmp_path / "b"):
         m(torch.randn(1, 2, 8))
     one_line_error(*cli("bisect", a, tmp_path / "b")[::2], "unrelated models")
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_durable_fsyncs_records_before_the_meta_that_vouches_for_them(tmp_path, monkeypatch, durable):
+    """durable=True: records.jsonl, then meta.json's temp file, then the directory (the rename) reach the disk,
+    in that order, at close. The default fsyncs nothing (an fsync on a busy disk stalls the recording); the
+    trace reads the same either way."""
+    import os
+    import stat
+
+    import divtrace
+    from test_trace_fixtures import Tiny, tiny_input
+
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        name = "<dir>" if stat.S_ISDIR(st.st_mode) else next(
+            p.name for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_ino == st.st_ino)
+        synced.append("<meta temp>" if name.startswith(".meta.json.") and name.endswith(".tmp") else name)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    m = Tiny()
+    with torch.no_grad(), divtrace.record(m, tmp_path / "t", mode="hash", durable=durable):
+        m(tiny_input())
+    assert synced == (["records.jsonl", "<meta temp>", "<dir>"] if durable else [])
+    t = Trace(tmp_path / "t")
+    assert t.complete and len(t.records) > 3
+
+
+def test_non_finite_meta_fields_are_written_as_strict_json(tmp_path):
+    """meta.json is strict JSON even when a field holds NaN or Inf (written as their repr)."""
+    import divtrace
+    from test_trace_fixtures import Tiny, tiny_input
+
+    m = Tiny()
+    with torch.no_grad(), divtrace.record(m, tmp_path / "t", mode="hash", extra_meta={"lr": float("nan"),
+                                                                                      "clip": [float("inf")]}):
+        m(tiny_input())
+    meta = json.loads((tmp_path / "t" / "meta.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert meta["lr"] == "nan" and meta["clip"] == ["inf"] and Trace(tmp_path / "t").complete

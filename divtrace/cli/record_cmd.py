@@ -21,6 +21,7 @@ def record(
     arg: Annotated[Optional[list[str]], typer.Option("--arg", help="key=value passed to the ENTRY function (repeatable)")] = None,
     grad_mode: Annotated[str, typer.Option(help="no_grad, inference or grad")] = "no_grad",
     overwrite: Annotated[bool, typer.Option(help="replace a trace already in --out")] = False,
+    durable: Annotated[bool, typer.Option(help="fsync the trace at close, so it survives an OS crash right after")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable summary")] = False,
 ):
     """Record one run of ENTRY (every module call and aten op) into a trace.
@@ -41,7 +42,7 @@ def record(
     kwargs = parse_args(arg)
     try:
         elapsed = record_entry(entry, out, args=kwargs, mode=mode, ops=not no_ops, include=include, exclude=exclude,
-                               label=label or out.name, overwrite=overwrite, grad_mode=grad_mode)
+                               label=label or out.name, overwrite=overwrite, grad_mode=grad_mode, durable=durable)
     except DivtraceError:
         raise
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the recorder already closed the trace and marked it

@@ -15,8 +15,8 @@ SHARD_GLOB = "tensors-*.safetensors"
 
 
 def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
-    """Write `path` whole or not at all (a temp file renamed over it). `durable` also fsyncs it first, so the
-    new contents survive an OS crash, not only a process crash."""
+    """Write `path` whole or not at all (a temp file renamed over it). `durable` also fsyncs it first and its
+    directory after, so the new contents survive an OS crash, not only a process crash."""
     atomic_write_with(path, lambda f: f.write(data), durable)
 
 
@@ -85,12 +85,29 @@ def atomic_write_with(path: Path, fill, durable: bool) -> None:
             if durable:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+        if durable:
+            fsync_dir(path.parent)
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in directory `path` (a rename, a new file) durable; a no-op where directories cannot be
+    opened (Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path: Path) -> str:
