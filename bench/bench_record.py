@@ -4,15 +4,16 @@ Model (issue 2): HF LlamaForCausalLM from config, hidden 512, 8 layers, 8 heads,
 vocab 32000, sequence 256, batch 1, fp32, torch.set_num_threads(1). Baseline: PyTorch DebugMode with bitwise
 tensor hashes (torch.hash_tensor) on the same forward.
 
-The configurations run in rounds (plain, DebugMode, hash ops, hash modules, then again; then plain, hash ops,
-full in rounds of their own), so a slow spell of a shared machine hits them all; each ratio is the median
-over rounds of (time / that round's plain forward). Before each run that writes, the last run's files are
+The configurations run in rounds (plain, DebugMode, hash ops, hash modules; then plain, hash ops, full in
+rounds of their own), so a slow spell of a shared machine hits them all; each round runs them in the next of
+a set of balanced orders (each configuration comes right after each other one equally often: what ran just
+before slows a run). Each ratio is the median over rounds of (time / that round's plain forward). Before each run that writes, the last run's files are
 removed and the page cache is written out (untimed). Full mode's write throughput is save_file's time for the
-same tensors over full mode's extra time (full minus hash recording, same round), and over the time the
-recording spent in its write path (TraceWriter.store_seconds); the shard writer alone is also timed against
-save_file. Bisect at scale is bench/bench_bisect.py.
+same tensors, taken in the same round, over the time the recording spent in its write path
+(TraceWriter.store_seconds) and over full mode's extra time (full minus hash recording); the shard writer alone
+is also timed against save_file. Bisect at scale is bench/bench_bisect.py.
 
-    python bench/bench_record.py [--repeats 7] [--json out.json] [--small]
+    python bench/bench_record.py [--repeats 8] [--json out.json] [--small]
 """
 from __future__ import annotations
 
@@ -49,14 +50,35 @@ def build(small: bool):
     return model, ids
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of n configurations in which each one comes right after each other one equally often (a Williams
+    design). A run is slowed by what ran just before it: a plain forward right after a hash ops=True recording
+    took 3.4% longer than the next one (median of 8), and ops=False measured 1.09x-1.12x always placed after
+    ops=True but 1.04x-1.07x right after the plain forward. A fixed order charges that to one configuration."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        if len(first) % 2:
+            first.append(lo)
+            lo += 1
+        else:
+            first.append(hi)
+            hi -= 1
+    orders = [[(x + r) % n for x in first] for r in range(n)]
+    return orders + [o[::-1] for o in orders] if n % 2 else orders
+
+
 def rounds(fns: dict, repeats: int) -> tuple[dict, dict]:
-    """Median seconds of each function, and median ratio to the first one, timed in interleaved rounds."""
+    """Median seconds of each function, and median ratio to the first one, timed in interleaved rounds (each
+    round in the next of the balanced orders)."""
     for fn in fns.values():
         getattr(fn, "setup", lambda: None)()
         fn()  # warm-up
     ts: dict = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
+    names = list(fns)
+    orders = balanced_orders(len(names))
+    for r in range(repeats):
+        for k in (names[i] for i in orders[r % len(orders)]):
+            fn = fns[k]
             getattr(fn, "setup", lambda: None)()
             t0 = time.perf_counter()
             fn()
@@ -68,7 +90,7 @@ def rounds(fns: dict, repeats: int) -> tuple[dict, dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--small", action="store_true", help="tiny model, for a smoke run")
     args = ap.parse_args(argv)
@@ -117,35 +139,24 @@ def main(argv=None) -> int:
         {"plain": plain, "debug_mode_hash": debug_mode, "hash_ops": rec("hash", True),
          "hash_modules": rec("hash", False)}, args.repeats)
     print(json.dumps({k: round(v, 3) for k, v in res["ratio_vs_plain"].items()}), flush=True)
-    # Full mode in rounds of its own: its writes (page cache, writeback) would slow the rounds above.
-    full_run = rec("full", True)
-    fsec, fratio, per_round = rounds({"plain": plain, "hash_ops": rec("hash", True), "full_ops": full_run},
-                                     args.repeats)
-    res["seconds"]["full_ops"], res["ratio_vs_plain"]["full_ops"] = fsec["full_ops"], fratio["full_ops"]
-    res["full_rounds_s"] = {k: [round(x, 3) for x in v] for k, v in per_round.items()}
-
-    # Bytes per record in hash mode.
-    from divtrace.trace.reader import Trace
-
-    th = Trace(tmp / "hash-True")
-    rec_bytes = (tmp / "hash-True" / "records.jsonl").stat().st_size
-    res["hash_records"] = len(th.records)
-    res["hash_bytes_per_record"] = rec_bytes / max(1, len(th.records))
-
-    # Full-mode write throughput vs safetensors.save_file of the same tensors, two ways:
-    # - recording: what full mode costs on top of hash mode (the forward and the hashing are in both), per round;
-    # - shard writer alone: the same tensors, in the trace's own shards, written synchronously by write_shard
-    #   against save_file of those shards, in interleaved rounds.
+    # Full mode in rounds of its own (its writes, page cache and writeback, would slow the rounds above), with
+    # safetensors.save_file of the same tensors in every round: this VM's disk has slow spells that last
+    # seconds, so the write path is set against the save_file of its own round.
     from safetensors.torch import save_file
+
+    from divtrace.trace.reader import Trace
     from divtrace.trace.writer import write_shard
 
+    full_run = rec("full", True)
+    full_run.setup()
+    full_run()
     tf = Trace(tmp / "full-True")
     shards: dict = {}
     for vid, v in tf.values.items():
         if v.blob and v.blob not in shards.setdefault(v.shard, {}):
             shards[v.shard][v.blob] = tf.tensor(vid).reshape(-1).clone()
     nbytes = sum(t.numel() * t.element_size() for sh in shards.values() for t in sh.values())
-    extra = [f - h for f, h in zip(per_round["full_ops"], per_round["hash_ops"])]
+    del tf
 
     def save_ref():
         for i, sh in enumerate(shards.values()):
@@ -158,19 +169,36 @@ def main(argv=None) -> int:
     save_ref.setup = lambda: settle(*(tmp / f"ref-{i}.safetensors" for i in range(len(shards))))
     save_ours.setup = lambda: settle(*(tmp / f"ours-{i}.safetensors" for i in range(len(shards))))
 
+    full_run.store_seconds.clear()
+    fsec, fratio, per_round = rounds({"plain": plain, "hash_ops": rec("hash", True), "full_ops": full_run,
+                                      "save_file": save_ref}, args.repeats)
+    res["seconds"]["full_ops"], res["ratio_vs_plain"]["full_ops"] = fsec["full_ops"], fratio["full_ops"]
+    res["full_rounds_s"] = {k: [round(x, 3) for x in v] for k, v in per_round.items()}
+    write_path = full_run.store_seconds[1:]  # [0] is the warm-up run
+    res["full_rounds_s"]["write_path"] = [round(x, 3) for x in write_path]
+    extra = [f - h for f, h in zip(per_round["full_ops"], per_round["hash_ops"])]
+    saves = per_round["save_file"]
+
+    # The shard writer alone against save_file: the same tensors, in the trace's own shards, interleaved.
     wsec, _, wrounds = rounds({"save_file": save_ref, "write_shard": save_ours}, max(3, args.repeats))
-    t_save = wsec["save_file"]
     res["full_mode"] = {
-        "unique_bytes": nbytes, "shards": len(shards), "safetensors_save_s": t_save,
+        "unique_bytes": nbytes, "shards": len(shards), "safetensors_save_s": statistics.median(saves),
+        # what full mode costs on top of hash mode (the forward and the hashing are in both), per round
         "recording_extra_s": statistics.median(extra),
-        "recording_vs_safetensors": t_save / max(statistics.median(extra), 1e-9),
+        "recording_vs_safetensors": statistics.median(s / max(e, 1e-9) for s, e in zip(saves, extra)),
         # the write path alone, timed inside the recording (TraceWriter.store_seconds: writing the values' bytes
-        # and finishing the shards), without the difference of two noisy forwards; [1:] drops the warm-up run
-        "write_path_s": statistics.median(full_run.store_seconds[1:]),
-        "write_path_vs_safetensors": t_save / max(statistics.median(full_run.store_seconds[1:]), 1e-9),
+        # and finishing the shards), without the difference of two noisy forwards
+        "write_path_s": statistics.median(write_path),
+        "write_path_vs_safetensors": statistics.median(s / max(w, 1e-9) for s, w in zip(saves, write_path)),
         "write_shard_s": wsec["write_shard"],
         "write_shard_vs_safetensors": statistics.median(
             r / o for r, o in zip(wrounds["save_file"], wrounds["write_shard"]))}
+
+    # Bytes per record in hash mode.
+    th = Trace(tmp / "hash-True")
+    rec_bytes = (tmp / "hash-True" / "records.jsonl").stat().st_size
+    res["hash_records"] = len(th.records)
+    res["hash_bytes_per_record"] = rec_bytes / max(1, len(th.records))
 
     shutil.rmtree(tmp, ignore_errors=True)
     txt = json.dumps(res, indent=2)

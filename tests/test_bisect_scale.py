@@ -504,3 +504,17 @@ def test_bench_runs(tmp_path):
         r = res[variant]
         assert (r["verdict"], r["module"], r["op"]) == ("diverged", "", "aten.add.Tensor")
         assert r["torch_imported"] is False and r["seconds"] > 0 and r["peak_rss_mb"] > 0
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_record_bench_orders_are_balanced(n):
+    """bench/bench_record.py runs each round in one of these orders: each configuration must come right after
+    each other one equally often, and every order must hold every configuration once."""
+    from collections import Counter
+
+    import bench_record
+
+    orders = bench_record.balanced_orders(n)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    follows = Counter((o[i], o[i + 1]) for o in orders for i in range(n - 1))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
