@@ -176,22 +176,18 @@ static int skip_value(cursor *c, int depth) {
     return 1;
 }
 
-/* [int, ...] as a list of ints, each >= lo. */
-static PyObject *int_list(cursor *c, long long lo, int *gave_up) {
+typedef PyObject *(*item_reader)(cursor *c, void *ctx, int *gave_up);
+
+/* [item, ...] as a list, each item read by `item` (a new reference, or NULL: *gave_up set when the item is not
+   in the writer's form, else an error). */
+static PyObject *list_of(cursor *c, item_reader item, void *ctx, int *gave_up) {
     if (!LIT(c, "["))
         return *gave_up = 1, NULL;
     PyObject *out = PyList_New(0);
-    if (out == NULL)
-        return NULL;
-    if (LIT(c, "]"))
+    if (out == NULL || LIT(c, "]"))
         return out;
     for (;;) {
-        long long v;
-        if (!parse_int(c, &v) || v < lo) {
-            Py_DECREF(out);
-            return *gave_up = 1, NULL;
-        }
-        PyObject *o = PyLong_FromLongLong(v);
+        PyObject *o = item(c, ctx, gave_up);
         if (o == NULL || PyList_Append(out, o) < 0) {
             Py_XDECREF(o);
             Py_DECREF(out);
@@ -207,6 +203,16 @@ static PyObject *int_list(cursor *c, long long lo, int *gave_up) {
     }
 }
 
+static PyObject *int_item(cursor *c, void *lo, int *gave_up) {
+    long long v;
+    if (!parse_int(c, &v) || v < *(long long *)lo)
+        return *gave_up = 1, NULL;
+    return PyLong_FromLongLong(v);
+}
+
+/* [int, ...] as a list of ints, each >= lo. */
+static PyObject *int_list(cursor *c, long long lo, int *gave_up) { return list_of(c, int_item, &lo, gave_up); }
+
 typedef struct {
     int full;
     PyObject *dtype_info, *vkey, *vsrc, *vprod, *vblob, *vderived, *calls, *open_, *counts;
@@ -217,41 +223,22 @@ typedef struct {
     interns *names;
 } index_state;
 
-/* [["key", vid], ...] as a list of (key, vid) tuples (the vids are checked once the record's values are in). */
-static PyObject *pairs(index_state *S, cursor *c, int *gave_up) {
-    if (!LIT(c, "["))
+static PyObject *pair_item(cursor *c, void *state, int *gave_up) {
+    index_state *S = (index_state *)state;
+    const char *s;
+    Py_ssize_t n;
+    long long vid;
+    if (!(LIT(c, "[") && scan_str(c, &s, &n) && LIT(c, ",") && parse_int(c, &vid) && LIT(c, "]")))
         return *gave_up = 1, NULL;
-    PyObject *out = PyList_New(0);
-    if (out == NULL)
-        return NULL;
-    if (LIT(c, "]"))
-        return out;
-    for (;;) {
-        const char *s;
-        Py_ssize_t n;
-        long long vid;
-        if (!(LIT(c, "[") && scan_str(c, &s, &n) && LIT(c, ",") && parse_int(c, &vid) && LIT(c, "]"))) {
-            Py_DECREF(out);
-            return *gave_up = 1, NULL;
-        }
-        PyObject *key = intern_str(S->names, s, n);
-        PyObject *v = key ? PyLong_FromLongLong(vid) : NULL;
-        PyObject *pair = v ? PyTuple_Pack(2, key, v) : NULL;
-        Py_XDECREF(v);
-        if (pair == NULL || PyList_Append(out, pair) < 0) {
-            Py_XDECREF(pair);
-            Py_DECREF(out);
-            return NULL;
-        }
-        Py_DECREF(pair);
-        if (LIT(c, "]"))
-            return out;
-        if (!LIT(c, ",")) {
-            Py_DECREF(out);
-            return *gave_up = 1, NULL;
-        }
-    }
+    PyObject *key = intern_str(S->names, s, n);
+    PyObject *v = key ? PyLong_FromLongLong(vid) : NULL;
+    PyObject *pair = v ? PyTuple_Pack(2, key, v) : NULL;
+    Py_XDECREF(v);
+    return pair;
 }
+
+/* [["key", vid], ...] as a list of (key, vid) tuples (the vids are checked once the record's values are in). */
+static PyObject *pairs(index_state *S, cursor *c, int *gave_up) { return list_of(c, pair_item, S, gave_up); }
 
 /* 1 when every pair's vid is a defined value, else 0 (or -1). */
 static int pairs_defined(index_state *S, PyObject *list) {

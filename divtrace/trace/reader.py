@@ -372,19 +372,17 @@ class Trace:
         except Exception:  # out of memory, or anything unforeseen: the Python readers decide
             return False
         if ok and self.verified:
-            first, chunks = 0, []
-            for start, stop in self._chunk_spans(body):
-                chunks.append((first, start))
-                first += body.count(b"\n", start, stop)
-            self._chunks = chunks
+            self._chunks = [(first, start) for first, start, _, _ in self._chunk_spans(body)]
         return ok
 
     def _chunk_spans(self, body: bytes):
-        """(start, stop) of each chunk of whole lines that verified bytes are parsed in."""
-        size, start, end = self._CHUNK, 0, len(body)
+        """(first record, start, stop, lines) of each chunk of whole lines that verified bytes are parsed in."""
+        size, first, start, end = self._CHUNK, 0, 0, len(body)
         while start < end:
             stop = body.find(b"\n", min(start + size, end - 1)) + 1
-            yield start, stop
+            lines = body.count(b"\n", start, stop)
+            yield first, start, stop, lines
+            first += lines
             start = stop
 
     def _parsed_chunks(self, body: bytes):
@@ -394,14 +392,13 @@ class Trace:
         if not self.verified:
             yield [json.loads(line) for line in body.split(b"\n")[:-1]]
             return
-        loads, first, chunks = json.loads, 0, []
-        for start, stop in self._chunk_spans(body):
+        loads, chunks = json.loads, []
+        for first, start, stop, lines in self._chunk_spans(body):
             chunks.append((first, start))
             parsed = loads(self._chunk_text(body, start, stop))
-            if len(parsed) != body.count(b"\n", start, stop):
+            if len(parsed) != lines:
                 raise ValueError("not one JSON document per line")
             yield parsed
-            first += len(parsed)
         self._chunks = chunks
 
     @staticmethod
