@@ -67,9 +67,11 @@ def balanced_orders(n: int) -> list[list[int]]:
     return orders + [o[::-1] for o in orders] if n % 2 else orders
 
 
-def rounds(fns: dict, repeats: int) -> tuple[dict, dict]:
+def rounds(fns: dict, repeats: int, between=None) -> tuple[dict, dict]:
     """Median seconds of each function, and median ratio to the first one, timed in interleaved rounds (each
-    round in the next of the balanced orders)."""
+    round in the next of the balanced orders; `between`, untimed, before each round, so no round starts right
+    after another's last run). Balanced when `repeats` is a multiple of the number of orders (4 for 2 or 4
+    functions, 6 for 3)."""
     for fn in fns.values():
         getattr(fn, "setup", lambda: None)()
         fn()  # warm-up
@@ -77,6 +79,8 @@ def rounds(fns: dict, repeats: int) -> tuple[dict, dict]:
     names = list(fns)
     orders = balanced_orders(len(names))
     for r in range(repeats):
+        if between is not None:
+            between()
         for k in (names[i] for i in orders[r % len(orders)]):
             fn = fns[k]
             getattr(fn, "setup", lambda: None)()
@@ -137,7 +141,7 @@ def main(argv=None) -> int:
 
     res["seconds"], res["ratio_vs_plain"], _ = rounds(
         {"plain": plain, "debug_mode_hash": debug_mode, "hash_ops": rec("hash", True),
-         "hash_modules": rec("hash", False)}, args.repeats)
+         "hash_modules": rec("hash", False)}, args.repeats, between=plain)
     print(json.dumps({k: round(v, 3) for k, v in res["ratio_vs_plain"].items()}), flush=True)
     # Full mode in rounds of its own (its writes, page cache and writeback, would slow the rounds above), with
     # safetensors.save_file of the same tensors in every round: this VM's disk has slow spells that last
@@ -156,7 +160,7 @@ def main(argv=None) -> int:
         if v.blob and v.blob not in shards.setdefault(v.shard, {}):
             shards[v.shard][v.blob] = tf.tensor(vid).reshape(-1).clone()
     nbytes = sum(t.numel() * t.element_size() for sh in shards.values() for t in sh.values())
-    del tf
+    del tf  # (frees its open shard files: a trace is in no reference cycle)
 
     def save_ref():
         for i, sh in enumerate(shards.values()):
@@ -171,7 +175,7 @@ def main(argv=None) -> int:
 
     full_run.store_seconds.clear()
     fsec, fratio, per_round = rounds({"plain": plain, "hash_ops": rec("hash", True), "full_ops": full_run,
-                                      "save_file": save_ref}, args.repeats)
+                                      "save_file": save_ref}, args.repeats, between=plain)
     res["seconds"]["full_ops"], res["ratio_vs_plain"]["full_ops"] = fsec["full_ops"], fratio["full_ops"]
     res["full_rounds_s"] = {k: [round(x, 3) for x in v] for k, v in per_round.items()}
     write_path = full_run.store_seconds[1:]  # [0] is the warm-up run
@@ -184,8 +188,9 @@ def main(argv=None) -> int:
     res["full_mode"] = {
         "unique_bytes": nbytes, "shards": len(shards), "safetensors_save_s": statistics.median(saves),
         # what full mode costs on top of hash mode (the forward and the hashing are in both), per round
+        # (a ratio of medians: the extra time of one round, a difference of two noisy forwards, can be negative)
         "recording_extra_s": statistics.median(extra),
-        "recording_vs_safetensors": statistics.median(s / max(e, 1e-9) for s, e in zip(saves, extra)),
+        "recording_vs_safetensors": statistics.median(saves) / max(statistics.median(extra), 1e-9),
         # the write path alone, timed inside the recording (TraceWriter.store_seconds: writing the values' bytes
         # and finishing the shards), without the difference of two noisy forwards
         "write_path_s": statistics.median(write_path),

@@ -219,6 +219,7 @@ typedef struct {
     PyObject *rcall, *rop, *rin, *rout, *module_call;
     PyObject *str_ops, *str_children, *str_exit_index, *str_outputs;
     PyObject *last_ops; /* the ops list of call last_call (most op records follow one another in one call) */
+    PyObject *unknown_dtype; /* borrowed from the intern table: a dtype name dtype_info does not hold */
     long long last_call;
     interns *names;
 } index_state;
@@ -289,8 +290,12 @@ static int value(index_state *S, cursor *c, long long index, int is_op, PyObject
     if (dname == NULL)
         return -1;
     PyObject *info = PyDict_GetItemWithError(S->dtype_info, dname);
-    if (info == NULL)
-        return PyErr_Occurred() ? -1 : 0;
+    if (info == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        S->unknown_dtype = dname; /* not looked up yet (the caller may, and read again) */
+        return 0;
+    }
     if (!PyTuple_Check(info) || PyTuple_GET_SIZE(info) != 2) /* None: not a dtype of this torch */
         return 0;
     if (!LIT(c, ",\"s\":"))
@@ -387,23 +392,20 @@ static int op_links(index_state *S, PyObject *inputs, PyObject *outputs, long lo
         if (r != 1)
             return r;
     }
-    Py_ssize_t n = PyList_GET_SIZE(outputs), distinct = 0;
-    if (n > 64)
-        return 0; /* counted below in n**2 steps: the Python readers count long lists with a set */
+    Py_ssize_t n = PyList_GET_SIZE(outputs);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = PyList_GET_ITEM(outputs, i);
-        PyObject *p = PyDict_GetItemWithError(S->vprod, o);
-        if (p == NULL)
+        PyObject *p = PyDict_GetItemWithError(S->vprod, PyList_GET_ITEM(outputs, i));
+        if (p == NULL || PyLong_AsLongLong(p) != index)
             return PyErr_Occurred() ? -1 : 0;
-        if (PyLong_AsLongLong(p) != index)
-            return PyErr_Occurred() ? -1 : 0;
-        long long vi = PyLong_AsLongLong(o);
-        int dup = 0;
-        for (Py_ssize_t j = 0; j < i && !dup; j++)
-            dup = PyLong_AsLongLong(PyList_GET_ITEM(outputs, j)) == vi;
-        distinct += !dup;
     }
-    return produced == (n < 2 ? n : distinct);
+    if (n < 2)
+        return produced == n;
+    PyObject *distinct = PySet_New(outputs); /* an output listed twice is one value */
+    if (distinct == NULL)
+        return -1;
+    int r = produced == PySet_GET_SIZE(distinct);
+    Py_DECREF(distinct);
+    return r;
 }
 
 #define TRY(x)                                                                                                 \
@@ -613,6 +615,7 @@ static PyObject *py_index_records(PyObject *self, PyObject *args) {
         r = record(&S, &c, index++);
         p = c.end + 1;
     }
+    PyObject *unknown = r == 0 && S.unknown_dtype ? Py_NewRef(S.unknown_dtype) : NULL;
     Py_XDECREF(S.last_ops);
     Py_XDECREF(S.str_ops);
     Py_XDECREF(S.str_children);
@@ -625,14 +628,15 @@ static PyObject *py_index_records(PyObject *self, PyObject *args) {
     PyBuffer_Release(&body);
     if (r < 0)
         return NULL;
-    return PyBool_FromLong(r);
+    return unknown ? unknown : PyBool_FromLong(r);
 }
 
 static PyMethodDef methods[] = {
     {"index_records", py_index_records, METH_VARARGS,
      "index_records(body, full, dtype_info, vkey, vsrc, vprod, vblob, vderived, calls, open, counts, rcall, rop, "
      "rin, rout, module_call) -> True when every line was read into the index, False when one is not in the "
-     "writer's exact form (the index is then partly filled: start again with the Python readers)"},
+     "writer's exact form (the index is then partly filled: start again with the Python readers), or a dtype "
+     "name that dtype_info does not hold (look it up, clear the index and read again)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -728,9 +728,10 @@ def record(model, path, *, mode="full", ops=True, label=None, include=None, excl
     bytes in memory (each value is written into the open shard when it is produced).
 
     A trace is readable after the process crashes or is killed at any point (atomic renames, checksummed
-    records). `durable=True` also fsyncs records.jsonl and meta.json at close, so a finished trace survives an
-    OS crash or power loss right after; it is off by default because fsync on a busy disk can stall for
-    hundreds of milliseconds, and a trace cut short that way reads as an error, never as a wrong trace.
+    records). `durable=True` also fsyncs the trace at close (records.jsonl, the shards, then meta.json and the
+    directory entries), so a finished trace survives an OS crash or power loss right after; it is off by
+    default because fsync on a busy disk can stall for hundreds of milliseconds, and a trace cut short that
+    way reads as an error, never as a wrong trace.
 
     Example::
 

@@ -259,13 +259,13 @@ def test_unrelated_models_are_refused_clearly(tmp_path):
     one_line_error(*cli("bisect", a, tmp_path / "b")[::2], "unrelated models")
 
 
+@pytest.mark.parametrize("mode", ["hash", "full"])
 @pytest.mark.parametrize("durable", [False, True])
-def test_durable_fsyncs_records_before_the_meta_that_vouches_for_them(tmp_path, monkeypatch, durable):
-    """durable=True: records.jsonl, then meta.json's temp file, then the directory (the rename) reach the disk,
-    in that order, at close. The default fsyncs nothing (an fsync on a busy disk stalls the recording); the
-    trace reads the same either way."""
+def test_durable_fsyncs_the_data_before_the_meta_that_vouches_for_it(tmp_path, monkeypatch, durable, mode):
+    """durable=True: records.jsonl and the shards, then meta.json's temp file, then the trace directory (the
+    rename) and its parent (the trace directory's entry) reach the disk, in that order, at close. The default
+    fsyncs nothing (an fsync on a busy disk stalls the recording); the trace reads the same either way."""
     import os
-    import stat
 
     import divtrace
     from test_trace_fixtures import Tiny, tiny_input
@@ -274,17 +274,18 @@ def test_durable_fsyncs_records_before_the_meta_that_vouches_for_them(tmp_path, 
     real = os.fsync
 
     def fsync(fd):
-        st = os.fstat(fd)
-        name = "<dir>" if stat.S_ISDIR(st.st_mode) else next(
-            p.name for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_ino == st.st_ino)
-        synced.append("<meta temp>" if name.startswith(".meta.json.") and name.endswith(".tmp") else name)
+        ino = os.fstat(fd).st_ino
+        name = next((str(p.relative_to(tmp_path)) for p in [tmp_path, *tmp_path.rglob("*")] if p.stat().st_ino == ino))
+        synced.append("<meta temp>" if name.startswith("t/.meta.json.") and name.endswith(".tmp") else name)
         real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
     m = Tiny()
-    with torch.no_grad(), divtrace.record(m, tmp_path / "t", mode="hash", durable=durable):
+    with torch.no_grad(), divtrace.record(m, tmp_path / "t", mode=mode, durable=durable, shard_bytes=600):
         m(tiny_input())
-    assert synced == (["records.jsonl", "<meta temp>", "<dir>"] if durable else [])
+    shards = sorted(p.name for p in (tmp_path / "t").glob("tensors-*.safetensors"))
+    assert (len(shards) > 1) is (mode == "full") and (mode == "full" or not shards)
+    assert synced == (["t/records.jsonl", *(f"t/{s}" for s in shards), "<meta temp>", "t", "."] if durable else [])
     t = Trace(tmp_path / "t")
     assert t.complete and len(t.records) > 3
 

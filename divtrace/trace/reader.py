@@ -172,8 +172,13 @@ class Trace:
         self._shards_verified = False
 
     def _reset(self) -> None:
-        self.records = _Records(self)
-        self.values = _Values(self)
+        # The fast reader's records and values are built when asked for, into these caches, through views
+        # (_Records, _Values) made on each access: a view refers to the trace, the trace not to its views, so
+        # a trace nobody refers to is freed at once (the index is kept out of the cyclic GC, see _read_records).
+        self._record_cache: dict[int, object] = {}
+        self._value_cache: dict[int, TensorValue] = {}
+        self._records_list: list | None = None  # the reference reader's records and values, built whole
+        self._values_dict: dict | None = None
         self.calls: dict[int, ModuleCall] = {}
         self.vkey: dict[int, tuple] = {}
         self.vprod: dict[int, int] = {}
@@ -190,6 +195,16 @@ class Trace:
         self._body = b""  # the verified whole lines of records.jsonl, which records and values are built from
         self._chunks: list[tuple[int, int]] = []  # (first record, byte offset) of each chunk parsed (verified)
         self._line_starts = None  # offset of each line in _body (unverified: parsed line by line)
+
+    @property
+    def records(self):
+        """Every record, in execution order: a list-like sequence (ModuleEnter, ModuleExit, OpRecord)."""
+        return self._records_list if self._records_list is not None else _Records(self)
+
+    @property
+    def values(self):
+        """vid -> TensorValue, a read-only mapping."""
+        return self._values_dict if self._values_dict is not None else _Values(self)
 
     # loading ----------------------------------------------------------------------------------------------
     def _check_dir(self) -> None:
@@ -319,7 +334,7 @@ class Trace:
             # names the first bad line (or accepts what the fast reader was merely unsure of).
             self._reset()
             self.read_fast = False
-            self.records, self.values = [], {}
+            self._records_list, self._values_dict = [], {}
             self._defined_at: dict[int, int] = {}
             self._read_reference(raw)
             self._index_objects()
@@ -365,12 +380,22 @@ class Trace:
     def _index_native(self, body: bytes) -> bool:
         """The index built by the C reader; False (the index partly filled) when a line is not in the writer's
         exact form. Every line then is one record, so the chunks are those _parsed_chunks would have parsed."""
-        try:
-            ok = _native_index_records(body, self._full, _DTYPE_INFO, self.vkey, self.vsrc, self.vprod, self.vblob,
-                                       self.vderived, self.calls, self._open, self._call_counts, self.rcall,
-                                       self.rop, self.rin, self.rout, ModuleCall)
-        except Exception:  # out of memory, or anything unforeseen: the Python readers decide
-            return False
+        looked_up = set()
+        while True:
+            try:
+                ok = _native_index_records(body, self._full, _DTYPE_INFO, self.vkey, self.vsrc, self.vprod,
+                                           self.vblob, self.vderived, self.calls, self._open, self._call_counts,
+                                           self.rcall, self.rop, self.rin, self.rout, ModuleCall)
+            except Exception:  # out of memory, or anything unforeseen: the Python readers decide
+                return False
+            if type(ok) is not str:
+                break
+            # A dtype this process has not looked up yet (float8, uint16...: asking imports torch): once known
+            # to be one, read again from the start.
+            if ok in looked_up or _dtype_info(ok) is None:
+                return False
+            looked_up.add(ok)
+            self._reset()
         if ok and self.verified:
             self._chunks = [(first, start) for first, start, _, _ in self._chunk_spans(body)]
         return ok
@@ -584,7 +609,7 @@ class Trace:
         gc_was = gc.isenabled()
         gc.disable()
         try:
-            built = self.records._cache
+            built = self._record_cache
             for index, d in enumerate(chain.from_iterable(self._parsed_chunks(self._body))):
                 if index not in built:
                     self._build(index, d)
@@ -597,12 +622,12 @@ class Trace:
         with it too."""
         if d is None:
             first, parsed = self._parsed_around(index)
-            built = self.records._cache
+            built = self._record_cache
             for i, d in enumerate(parsed, first):
                 if i not in built:
                     self._build(i, d)
             return built[index]
-        cache = self.values._cache
+        cache = self._value_cache
         for vd in d.get("V", ()):
             info = _DTYPE_INFO[vd["d"]]
             shape, stride = vd["s"], vd.get("t")
@@ -621,7 +646,7 @@ class Trace:
             rec = ModuleEnter(index, call_id, d["m"], d["n"], d.get("p"), [(a, b) for a, b in d["in"]])
         else:
             rec = ModuleExit(index, call_id, [(a, b) for a, b in d["out"]], d.get("err"))
-        self.records._cache[index] = rec
+        self._record_cache[index] = rec
         return rec
 
     def producer(self, vid: int) -> int | None:
@@ -1009,7 +1034,7 @@ class _Records(Sequence):
     __slots__ = ("_t", "_cache")
 
     def __init__(self, t: Trace):
-        self._t, self._cache = t, {}
+        self._t, self._cache = t, t._record_cache
 
     def __len__(self) -> int:
         return len(self._t.rcall)
@@ -1046,7 +1071,7 @@ class _Values(Mapping):
     __slots__ = ("_t", "_cache")
 
     def __init__(self, t: Trace):
-        self._t, self._cache = t, {}
+        self._t, self._cache = t, t._value_cache
 
     def __getitem__(self, vid) -> TensorValue:
         v = self._cache.get(vid)

@@ -31,7 +31,7 @@ from divtrace.errors import DivtraceError
 from divtrace.fingerprint import HASH_SCHEME, IMPLEMENTATION, dtype_name, fingerprint, flat_bytes
 from divtrace.records import FORMAT_VERSION, TensorValue, json_safe, record_compact
 from divtrace.trace.files import (CHECKSUMS, META, RECORDS, SHARD_GLOB, SHARD_PATTERN, atomic_write_bytes,
-                                  compact_encoder, readable_json, temp_beside)
+                                  compact_encoder, fsync_dir, readable_json, temp_beside)
 
 # safetensors' names of the dtypes it stores (from the installed safetensors where it says, so a newer one's
 # additions are used); any other dtype is stored as its raw bytes (U8) and viewed back by the reader.
@@ -255,6 +255,19 @@ class TraceWriter:
         except OSError as e:
             raise DivtraceError(f"{self.path}: cannot start the trace: {e.strerror or e}") from None
 
+    def _sync_data(self) -> None:
+        """fsync records.jsonl and every finished shard (best effort: a file system without fsync still closes)."""
+        try:
+            os.fsync(self._records_fd)
+            for name in self._shards:
+                fd = os.open(self.path / name, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except OSError:
+            pass
+
     def _write_meta(self, durable: bool) -> None:
         try:  # json_safe walks every field (the module tree: ~0.6 ms a write); only a NaN or Inf needs it
             text = readable_json(self.meta)
@@ -433,14 +446,12 @@ class TraceWriter:
             self._open = None
         if self.failed:
             status, error = "error", self.failed
-        # Durable: records.jsonl reaches the disk before the meta.json that vouches for it (checksums.jsonl
-        # is only read while meta.json has no checksums). Not durable (the default), an OS crash soon after
-        # may cut what the page cache held; the checksums make that an error when read, never a wrong trace.
+        # Durable: records.jsonl and the shards reach the disk before the meta.json that vouches for them
+        # (checksums.jsonl is only read while meta.json has no checksums), then the directory entries. Not
+        # durable (the default), an OS crash soon after may cut what the page cache held; checksums and
+        # fingerprints make that an error when read, never a wrong trace.
         if self._durable:
-            try:
-                os.fsync(self._records_fd)
-            except OSError:
-                pass
+            self._sync_data()
         for fd in (self._records_fd, self._sums_fd):
             os.close(fd)
         self.meta.update(status=status, complete=(status == "complete"), error=error, records=self.n_written,
@@ -450,6 +461,8 @@ class TraceWriter:
                          **extra)
         try:
             self._write_meta(durable=self._durable)
+            if self._durable:
+                fsync_dir(self.path.parent)  # the trace directory's own entry
         except OSError as e:
             # meta.json keeps status "running": still read as incomplete, and the records stay verifiable
             # from checksums.jsonl.
