@@ -107,3 +107,16 @@ def test_usage_errors_are_one_line_exit_2():
     assert "No such option" in _one_line_error(run_cli("bisect", "--bogus", "a", "b"))
     p = run_cli()
     assert p.returncode == 0 and "Usage" in p.stdout and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_record_durable_flag(tmp_path, monkeypatch, durable):
+    """`divtrace record --durable` fsyncs the trace at close; without it nothing is fsynced."""
+    import os
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real(fd))
+    args = ["record", f"{ENTRY}:training", "--out", str(tmp_path / "t"), "--mode", "hash"]
+    assert main(args + (["--durable"] if durable else [])) == 0
+    assert (len(synced) >= 4) if durable else synced == []
