@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <ctype.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -81,6 +82,36 @@ static int scan_str(cursor *c, const char **s, Py_ssize_t *n) {
     return 1;
 }
 
+/* A JSON string whose text is not kept, checked and skipped: escapes are allowed here (\" \\ \/ \b \f \n \r \t
+   \uXXXX, as json.loads takes them), control and non-ASCII bytes are not (the writer escapes them). */
+static int skip_str(cursor *c) {
+    if (*c->p != '"')
+        return 0;
+    const char *q = c->p + 1;
+    while (*q != '"') {
+        unsigned char ch = (unsigned char)*q;
+        if (ch < 0x20 || ch >= 0x80)
+            return 0; /* includes the line's '\n' */
+        if (ch != '\\') {
+            q++;
+            continue;
+        }
+        char e = q[1];
+        if (e == 'u') {
+            for (int i = 2; i < 6; i++) /* stops at the first non-hex byte: never past the line's '\n' */
+                if (!isxdigit((unsigned char)q[i]))
+                    return 0;
+            q += 6;
+        } else if (e != 0 && strchr("\"\\/bfnrt", e)) {
+            q += 2;
+        } else {
+            return 0;
+        }
+    }
+    c->p = q + 1;
+    return 1;
+}
+
 static PyObject *new_str(const char *s, Py_ssize_t n) { return PyUnicode_DecodeASCII(s, n, NULL); }
 
 /* A borrowed interned string, or NULL with an exception set. */
@@ -112,12 +143,10 @@ static PyObject *intern_str(interns *t, const char *s, Py_ssize_t n) {
 
 /* Any JSON value in the compact form, checked and skipped. */
 static int skip_value(cursor *c, int depth) {
-    const char *s;
-    Py_ssize_t n;
     long long dummy;
     char ch = *c->p;
     if (ch == '"')
-        return scan_str(c, &s, &n);
+        return skip_str(c);
     if (ch == '{' || ch == '[') {
         char close = ch == '{' ? '}' : ']';
         if (depth >= MAX_DEPTH)
@@ -126,7 +155,7 @@ static int skip_value(cursor *c, int depth) {
         if (*c->p == close)
             return c->p++, 1;
         for (;;) {
-            if (ch == '{' && !(scan_str(c, &s, &n) && LIT(c, ":")))
+            if (ch == '{' && !(skip_str(c) && LIT(c, ":")))
                 return 0;
             if (!skip_value(c, depth + 1))
                 return 0;
@@ -319,7 +348,7 @@ static int value(index_state *S, cursor *c, long long index, int is_op, PyObject
         Py_XDECREF(stride);
     }
     if (ok && LIT(c, ",\"dev\":"))
-        ok = scan_str(c, &s, &n);
+        ok = skip_str(c);
     if (ok && LIT(c, ",\"m\":")) { /* five items */
         ok = LIT(c, "[");
         for (int i = 0; ok && i < 5; i++)
@@ -536,14 +565,12 @@ static int enter_record(index_state *S, cursor *c, long long index, PyObject *ci
 /* The rest of a module-exit record, after its "c". */
 static int exit_record(index_state *S, cursor *c, long long index, PyObject *cid, PyObject *index_obj,
                        PyObject **items) {
-    const char *s;
-    Py_ssize_t n;
     int gave_up = 0, produced = 0;
     if (!LIT(c, ",\"out\":"))
         return 0;
     if ((*items = pairs(S, c, &gave_up)) == NULL)
         return gave_up ? 0 : -1;
-    if (LIT(c, ",\"err\":") && !scan_str(c, &s, &n))
+    if (LIT(c, ",\"err\":") && !skip_str(c))
         return 0;
     TRY(values(S, c, index, 0, index_obj, &produced));
     if (!LIT(c, "}") || c->p != c->end)

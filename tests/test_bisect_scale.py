@@ -274,7 +274,7 @@ def _planted(line: bytes) -> list[bytes]:
             line.replace(b'"a":[', b'"a":[' + b"[" * 70 + b"]" * 70 + b",", 1),
             line.replace(b'"a":[', b'"a":["\\u00e9",NaN,', 1),
             line.replace(b'"a":[', b'"a":[' + b"1" * 5000 + b",", 1),  # json refuses ints over 4300 digits
-            b'{"k":"']
+            b'{"k":"', line.replace(b'"a":[', b'"a":["\\x",', 1), line.replace(b'"a":[', b'"a":["\\u12G4",', 1)]
 
 
 @needs_native
@@ -294,7 +294,29 @@ def test_native_reader_gives_up_on_anything_but_the_writers_form(bases, tmp_path
         got, trace = _read(t, fast=True, native=True)
         assert got == ref and (trace is None or not trace.read_native), planted
         tried += 1
-    assert tried == 10
+    assert tried == 12
+
+
+@needs_native
+def test_native_reader_reads_escaped_strings_it_does_not_keep(bases, tmp_path):
+    """Escapes in strings the index does not keep (an error message, a string argument) are read natively;
+    names it keeps (module, op, keys) still go to the Python readers when escaped."""
+    import shutil
+
+    t = shutil.copytree(bases["hash"], tmp_path / "t")
+    lines = (t / "records.jsonl").read_bytes().splitlines()
+    op, exit_ = json.loads(lines[3]), json.loads(lines[4])
+    assert op["k"] == "o" and exit_["k"] == "x"
+    op["a"].append('a "quoted" \\ path, caf\u00e9\n\t/')
+    exit_["err"] = 'ValueError: bad "x" in caf\u00e9\u2028'
+    lines[3], lines[4] = (json.dumps(d, separators=(",", ":")).encode() for d in (op, exit_))
+    assert b"\\u00e9" in lines[3] and b'\\"' in lines[4]
+    (t / "records.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    _reseal(t)
+    ref, _ = _read(t, fast=False)
+    got, trace = _read(t, fast=True, native=True)
+    assert got == ref and ref[0] == "ok" and trace.read_native
+    assert trace.records[3].args[-1] == op["a"][-1] and trace.records[4].error == exit_["err"]
 
 
 @needs_native
