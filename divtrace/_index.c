@@ -6,7 +6,8 @@
    which it mirrors field by field.
 
    It accepts only lines in the exact form the writer emits (records.record_compact through the compact
-   encoder: keys in the writer's order, no whitespace, ASCII with no escapes, no NaN/Infinity). Anything
+   encoder: keys in the writer's order, no whitespace, ASCII, no NaN/Infinity, no escapes in the names it
+   keeps; escapes in strings it skips are checked as json.loads takes them). Anything
    else, valid JSON or not, makes it give up (False), and the caller starts again with the Python readers,
    which accept or name the bad line. So it never accepts what the Python readers reject; tests compare it
    with them on mutated traces (tests/test_bisect_scale.py). */
@@ -297,14 +298,6 @@ static int is_shard_name(const char *s, Py_ssize_t n) { /* tensors-\d{5,}\.safet
         if (s[i] < '0' || s[i] > '9')
             return 0;
     return 1;
-}
-
-/* Dict/set helpers that take a C integer key. */
-static int set_ll(PyObject *d, long long k, PyObject *v) {
-    PyObject *key = PyLong_FromLongLong(k);
-    int r = key ? PyDict_SetItem(d, key, v) : -1;
-    Py_XDECREF(key);
-    return r;
 }
 
 /* One value object of a record's "V" list. Returns 1 (added), 0 (give up) or -1 (error). */
