@@ -7,13 +7,14 @@ tensor hashes (torch.hash_tensor) on the same forward.
 The configurations run in rounds (plain, DebugMode, hash ops, hash modules; then plain, hash ops, full in
 rounds of their own), so a slow spell of a shared machine hits them all; each round runs them in the next of
 a set of balanced orders (each configuration comes right after each other one equally often: what ran just
-before slows a run). Each ratio is the median over rounds of (time / that round's plain forward). Before each run that writes, the last run's files are
-removed and the page cache is written out (untimed). Full mode's write throughput is save_file's time for the
+before slows a run). Each ratio is the median over rounds of (time / that round's plain forward); every
+round's ratio is kept beside it, so the spread is on the record. Before each run that writes, the last run's
+files are removed and the page cache is written out (untimed). Full mode's write throughput is save_file's time for the
 same tensors, taken in the same round, over the time the recording spent in its write path
 (TraceWriter.store_seconds) and over full mode's extra time (full minus hash recording); the shard writer alone
 is also timed against save_file. Bisect at scale is bench/bench_bisect.py.
 
-    python bench/bench_record.py [--repeats 8] [--json out.json] [--small]
+    python bench/bench_record.py [--repeats 16] [--json out.json] [--small]
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def rounds(fns: dict, repeats: int, between=None) -> tuple[dict, dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=16)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--small", action="store_true", help="tiny model, for a smoke run")
     args = ap.parse_args(argv)
@@ -139,9 +140,13 @@ def main(argv=None) -> int:
         run.store_seconds = []
         return run
 
-    res["seconds"], res["ratio_vs_plain"], _ = rounds(
+    res["seconds"], res["ratio_vs_plain"], ts = rounds(
         {"plain": plain, "debug_mode_hash": debug_mode, "hash_ops": rec("hash", True),
          "hash_modules": rec("hash", False)}, args.repeats, between=plain)
+    # Every round's ratio, sorted: on this VM one run's plain forward ranged 287-434 ms, so the spread says how
+    # far one run's median can be trusted (the fastest round is no steadier: one lucky plain round moves it).
+    res["round_ratios"] = {k: sorted(round(t / b, 3) for t, b in zip(v, ts["plain"])) for k, v in ts.items()
+                           if k != "plain"}
     print(json.dumps({k: round(v, 3) for k, v in res["ratio_vs_plain"].items()}), flush=True)
     # Full mode in rounds of its own (its writes, page cache and writeback, would slow the rounds above), with
     # safetensors.save_file of the same tensors in every round: this VM's disk has slow spells that last

@@ -243,6 +243,25 @@ static PyObject *int_item(cursor *c, void *lo, int *gave_up) {
 /* [int, ...] as a list of ints, each >= lo. */
 static PyObject *int_list(cursor *c, long long lo, int *gave_up) { return list_of(c, int_item, &lo, gave_up); }
 
+/* A tuple the cyclic GC never scans: it holds only ints, strings and such tuples, so it can be in no cycle
+   (CPython itself untracks such tuples when a collection first meets them). The index is hundreds of thousands
+   of these; left tracked, every later collection walked them all (a second, on two 100k-record traces). */
+static PyObject *untracked(PyObject *tuple) {
+    if (tuple != NULL && PyObject_GC_IsTracked(tuple))
+        PyObject_GC_UnTrack(tuple);
+    return tuple;
+}
+
+/* [int, ...] as an untracked tuple of ints, each >= lo. */
+static PyObject *int_tuple(cursor *c, long long lo, int *gave_up) {
+    PyObject *list = int_list(c, lo, gave_up);
+    if (list == NULL)
+        return NULL;
+    PyObject *t = PyList_AsTuple(list);
+    Py_DECREF(list);
+    return untracked(t);
+}
+
 typedef struct {
     int full;
     PyObject *dtype_info, *vkey, *vsrc, *vprod, *vblob, *vderived, *calls, *open_, *counts;
@@ -263,7 +282,7 @@ static PyObject *pair_item(cursor *c, void *state, int *gave_up) {
         return *gave_up = 1, NULL;
     PyObject *key = intern_str(S->names, s, n);
     PyObject *v = key ? PyLong_FromLongLong(vid) : NULL;
-    PyObject *pair = v ? PyTuple_Pack(2, key, v) : NULL;
+    PyObject *pair = v ? untracked(PyTuple_Pack(2, key, v)) : NULL;
     Py_XDECREF(v);
     return pair;
 }
@@ -322,7 +341,7 @@ static int value(index_state *S, cursor *c, long long index, int is_op, PyObject
         return 0;
     if (!LIT(c, ",\"s\":"))
         return 0;
-    PyObject *shape = int_list(c, 0, &gave_up);
+    PyObject *shape = int_tuple(c, 0, &gave_up);
     if (shape == NULL)
         return gave_up ? 0 : -1;
     int ok = LIT(c, ",\"h\":") && scan_str(c, &hs, &hn) && is_hex32(hs, hn);
@@ -337,7 +356,7 @@ static int value(index_state *S, cursor *c, long long index, int is_op, PyObject
             Py_DECREF(shape);
             return -1;
         }
-        ok = stride != NULL && PyList_GET_SIZE(stride) == PyList_GET_SIZE(shape);
+        ok = stride != NULL && PyList_GET_SIZE(stride) == PyTuple_GET_SIZE(shape);
         Py_XDECREF(stride);
     }
     if (ok && LIT(c, ",\"dev\":"))
@@ -362,7 +381,7 @@ static int value(index_state *S, cursor *c, long long index, int is_op, PyObject
     }
     PyObject *v = PyLong_FromLongLong(vid);
     PyObject *h = v ? new_str(hs, hn) : NULL;
-    PyObject *key = h ? PyTuple_Pack(3, PyTuple_GET_ITEM(info, 0), shape, h) : NULL;
+    PyObject *key = h ? untracked(PyTuple_Pack(3, PyTuple_GET_ITEM(info, 0), shape, h)) : NULL;
     Py_DECREF(shape);
     Py_XDECREF(h);
     int r = -1, seen = key ? PyDict_Contains(S->vkey, v) : -1;
@@ -375,7 +394,7 @@ static int value(index_state *S, cursor *c, long long index, int is_op, PyObject
             r = -1;
         if (r == 1 && S->full && !derived) {
             PyObject *b = new_str(bs, bn), *f = b ? intern_str(S->names, fs, fn) : NULL;
-            PyObject *bf = f ? PyTuple_Pack(2, b, f) : NULL;
+            PyObject *bf = f ? untracked(PyTuple_Pack(2, b, f)) : NULL;
             if (bf == NULL || PyDict_SetItem(S->vblob, v, bf) < 0)
                 r = -1;
             Py_XDECREF(b);
@@ -409,14 +428,14 @@ static int values(index_state *S, cursor *c, long long index, int is_op, PyObjec
 /* Every vid of an op's inputs defined, every output produced by this op (and every value it produced among
    them). 1, 0 or -1. */
 static int op_links(index_state *S, PyObject *inputs, PyObject *outputs, long long index, int produced) {
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(inputs); i++) {
-        int r = PyDict_Contains(S->vkey, PyList_GET_ITEM(inputs, i));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(inputs); i++) {
+        int r = PyDict_Contains(S->vkey, PyTuple_GET_ITEM(inputs, i));
         if (r != 1)
             return r;
     }
-    Py_ssize_t n = PyList_GET_SIZE(outputs);
+    Py_ssize_t n = PyTuple_GET_SIZE(outputs);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *p = PyDict_GetItemWithError(S->vprod, PyList_GET_ITEM(outputs, i));
+        PyObject *p = PyDict_GetItemWithError(S->vprod, PyTuple_GET_ITEM(outputs, i));
         if (p == NULL || PyLong_AsLongLong(p) != index)
             return PyErr_Occurred() ? -1 : 0;
     }
@@ -457,11 +476,11 @@ static int op_record(index_state *S, cursor *c, long long index, long long call_
         return 0;
     if (!LIT(c, ",\"in\":"))
         return 0;
-    if ((*inputs = int_list(c, LLONG_MIN, &gave_up)) == NULL)
+    if ((*inputs = int_tuple(c, LLONG_MIN, &gave_up)) == NULL)
         return gave_up ? 0 : -1;
     if (!LIT(c, ",\"out\":"))
         return 0;
-    if ((*outputs = int_list(c, LLONG_MIN, &gave_up)) == NULL)
+    if ((*outputs = int_tuple(c, LLONG_MIN, &gave_up)) == NULL)
         return gave_up ? 0 : -1;
     TRY(values(S, c, index, 1, index_obj, &produced));
     if (!LIT(c, "}") || c->p != c->end)

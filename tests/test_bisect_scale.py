@@ -550,9 +550,10 @@ def test_record_bench_orders_are_balanced(n):
 
 @pytest.mark.parametrize("fast,native", [(True, True), (True, False), (False, False)])
 def test_a_trace_nobody_refers_to_is_freed(bases, fast, native):
-    """The index is kept out of the cyclic GC once read (gc.freeze), so a trace must not sit in a reference
-    cycle: it would never be freed (two 100k-record traces kept ~400 MB for the life of the process). A view
-    of its records keeps it alive while used."""
+    """Reading and bisecting pause the cyclic GC, and a caller may keep it off, so a trace must be freed by
+    reference counting alone: in a reference cycle it could stay (when the reader still froze the GC, two
+    100k-record traces kept ~400 MB for the life of the process). A view of its records keeps it alive while
+    used."""
     import weakref
 
     old = Trace.FAST, Trace.NATIVE
@@ -568,6 +569,70 @@ def test_a_trace_nobody_refers_to_is_freed(bases, fast, native):
         assert ref() is None
     finally:
         Trace.FAST, Trace.NATIVE = old
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+@pytest.mark.parametrize("fast,native", [(True, True), (True, False), (False, False)])
+def test_reading_and_bisecting_leave_the_gc_able_to_free_older_cycles(bases, fast, native):
+    """Regression: the reader called gc.freeze() after every read, which moved every object of the process out
+    of the GC's reach for good, so cyclic garbage made of objects alive at that moment (a model a trainer drops
+    after bisecting in-process) was never freed."""
+    import gc
+    import weakref
+
+    from divtrace.compare.bisect import bisect
+
+    old = Trace.FAST, Trace.NATIVE
+    Trace.FAST, Trace.NATIVE = fast, native
+    try:
+        cycle = _Cycle()
+        ref = weakref.ref(cycle)
+        frozen = gc.get_freeze_count()
+        Trace(bases["hash"])
+        bisect(bases["hash"], bases["full"])
+        assert gc.get_freeze_count() == frozen and gc.isenabled()
+        del cycle
+        gc.collect()
+        assert ref() is None
+        gc.disable()  # a caller who runs with the GC off keeps it off
+        try:
+            bisect(bases["hash"], bases["hash"])
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+    finally:
+        Trace.FAST, Trace.NATIVE = old
+
+
+@pytest.mark.parametrize("fast,native", [(True, True), (True, False), (False, False)])
+def test_the_index_is_left_out_of_gc_scans(bases, fast, native):
+    """What replaced gc.freeze: the index is tuples of ints and strings, which the GC stops tracking (the C
+    reader at once, CPython in its first collections for the Python readers), so later collections do not walk
+    hundreds of thousands of them. A list in their place would be tracked for good."""
+    import gc
+
+    old = Trace.FAST, Trace.NATIVE
+    Trace.FAST, Trace.NATIVE = fast, native
+    try:
+        t = Trace(bases["full"])
+    finally:
+        Trace.FAST, Trace.NATIVE = old
+    assert t.read_native == native
+    if not native:
+        # A collection meets a key tuple before its shape tuple (it moves what only the key refers to behind it),
+        # so it untracks the shapes, and the next one the keys.
+        gc.collect()
+        gc.collect()
+    ops = [i for i, r in enumerate(t.rin) if r is not None]
+    assert ops and all(type(t.rin[i]) is tuple and type(t.rout[i]) is tuple for i in ops)
+    assert all(type(k[1]) is tuple for k in t.vkey.values()) and t.vblob
+    index = [*t.vkey.values(), *t.vblob.values(), *(t.rin[i] for i in ops), *(t.rout[i] for i in ops),
+             *(p for c in t.calls.values() for p in (*c.inputs, *c.outputs))]
+    assert not [x for x in index if gc.is_tracked(x)]
 
 
 class _Splits(torch.nn.Module):

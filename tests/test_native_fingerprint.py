@@ -146,6 +146,47 @@ def test_stats_match_the_torch_path(kernel, dtype, case):
     assert _close(stats["mean"], want["mean"]), (stats, want)
 
 
+def _summary_in_python(x, stats: bool):
+    """What fingerprint.py made of the kernel's raw tuple before the summary was built in C (503b314 and older)."""
+    n = x.numel() * x.element_size()
+    lane = 4 if n % 4 == 0 else 2 if n % 2 == 0 else 1
+    u = fp._WEIGHTS.outer_all(-(-n // lane // fp._BLOCK))
+    kind = fp._STATS_KIND.get(x.dtype, 0) if stats else 0
+    h0, h1, st = fp._native.fingerprint(x.data_ptr(), x.element_size(), x.shape, x.stride(), u.data_ptr(),
+                                        u.stride(0), u.shape[1], kind)
+    h = f"{h0:016x}{h1:016x}"
+    if st is None:
+        return h, None
+    lo, hi, total, finite, nan, inf = st
+    if not finite:
+        return h, {"min": "nan", "max": "nan", "mean": "nan", "absmax": "nan", "nan": nan, "inf": inf}
+    mean = total / finite
+    return h, {"min": lo, "max": hi, "mean": mean if math.isfinite(mean) else repr(mean), "absmax": max(-lo, hi),
+               "nan": nan, "inf": inf}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
+def test_the_summary_made_in_c_is_the_one_python_made(kernel, dtype):
+    """fingerprint_summary formats the hash and builds the stats dict in C; it must give exactly what the
+    Python code did from the raw tuple: the same floats (signed zeros included), counts and key order."""
+    if fp._native is None:
+        pytest.skip("divtrace._native was not built")
+    g = torch.Generator().manual_seed(11)
+    cases = [torch.randn(37, 41, generator=g), torch.tensor([-0.0, 0.0] * 9), torch.tensor([-0.0] * 5),
+             torch.tensor([0.0, -0.0]), torch.full((6,), math.nan), torch.tensor([1.0, math.inf, -2.0]),
+             torch.tensor([-3.0, -1.0]), torch.tensor([1e-40, -1e-42, 5e-45]), torch.randn(3, 700, generator=g).t(),
+             torch.full((64,), 1.7e308, dtype=torch.float64), torch.randn(5, generator=g)[:3]]
+    for x in cases:
+        x = x.to(dtype) if x.dtype != torch.float64 or dtype != torch.float32 else x
+        for stats in (True, False):
+            want = _summary_in_python(x, stats)
+            got = fp._native_pass(x, stats)
+            if want[1] is None and stats:  # no stats kind (an integer dtype): Python's own summary, as before
+                assert got[0] == want[0] and got[1] == {}
+                continue
+            assert repr(got) == repr(want), (x, stats)  # repr: -0.0 vs 0.0, NaN, key order
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_every_half_precision_value_converts_exactly(kernel, dtype):
     # Each row holds 32 copies of one bit pattern, so the vector loops see it: min == max == the value.

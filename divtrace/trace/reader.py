@@ -16,6 +16,7 @@ import re
 from array import array
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from itertools import chain
 from math import prod
 from operator import itemgetter
@@ -52,6 +53,20 @@ _SCHEMES_KNOWN_WITHOUT_TORCH = frozenset({"lane32-wsum128"})
 _HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _SHARD_NAME = re.compile(r"tensors-\d{5,}\.safetensors\Z")
+
+
+@contextmanager
+def gc_paused():
+    """The cyclic GC off for the block, as it was after. Reading a trace and bisecting build and drop
+    hundreds of thousands of small objects, which would trigger collection after collection (most of the load
+    time once); none of them form cycles, so refcounting frees them all the same."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _dtype_info(short):
@@ -143,16 +158,20 @@ class Trace:
     objects from the verified bytes the first time each is asked for; `calls` are built when reading. What
     bisect reads at scale is the compact index, filled for every record when the trace is opened:
 
-    - `vkey[vid]`: (dtype, shape, hash); two values are bitwise equal iff their keys are equal;
+    - `vkey[vid]`: (dtype, shape, hash), the shape a tuple; two values are bitwise equal iff their keys are
+      equal;
     - `vprod[vid]`: for a value an op produced, that op's record index (`producer(vid)`), which is also the
       record that defines it; `vsrc[vid]`: for any other value, the record that defines it;
     - per record: `rcall` (its call_id); for op records `rop` (op name), `rin` (input vids) and `rout` (output
-      vids), None for module enter/exit records (which of the two: `calls[rcall[i]].enter_index == i`);
+      vids), tuples, None for module enter/exit records (which of the two: `calls[rcall[i]].enter_index == i`);
     - `vblob[vid]`: (blob, shard) of each value with stored bytes (full mode);
     - `vderived`: values whose hash is derived from their producing view op's input (divtrace.views); in full
       mode their bytes are rebuilt from that op.
 
-    Every field of every record is validated when the trace is opened, whichever reader builds this.
+    Every field of every record is validated when the trace is opened, whichever reader builds this. The index
+    is tuples of ints and strings, which the cyclic GC stops scanning (the C reader untracks them as it builds
+    them; CPython untracks the Python readers' in its first collections), so no later collection in the
+    process walks a million of them.
     """
 
     def __init__(self, path):
@@ -316,16 +335,11 @@ class Trace:
         return checkpoints
 
     def _read_records(self) -> None:
-        # Building hundreds of thousands of small objects triggers the cyclic GC over and over (it was most of
-        # the load time); none of them form cycles, so it is paused while reading.
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        # Not gc.freeze() after the read either: that moves every object of the process out of the GC's reach
+        # for good, so cyclic garbage made of any of them (a model the caller drops later) was never freed. The
+        # index's tuples are untracked instead.
+        with gc_paused():
             self._read_records_unpaused()
-        finally:
-            if was_enabled:
-                gc.freeze()  # keep them out of later collections too: re-scanning a million records costs seconds
-                gc.enable()
 
     def _read_records_unpaused(self) -> None:
         raw = self._verified_records()
@@ -504,7 +518,7 @@ class Trace:
                         vblob[vid] = (blob, shard)
                     elif blob is not None or shard is not None:
                         return False
-                    vkey[vid] = (info[0], shape, h)
+                    vkey[vid] = (info[0], tuple(shape), h)
             rcall(call_id)
             if kind == "o":
                 op, args, kwargs, inputs, outputs = d["op"], d["a"], d.get("kw", {}), d["in"], d["out"]
@@ -523,8 +537,8 @@ class Trace:
                     return False
                 calls[call_id].ops.append(index)
                 rop(op_names.setdefault(op, op))
-                rin(inputs)
-                rout(outputs)
+                rin(tuple(inputs))
+                rout(tuple(outputs))
                 continue
             if kind == "e":
                 module, call, parent, items = d["m"], d["n"], d.get("p"), d["in"]
@@ -574,10 +588,10 @@ class Trace:
             op = rec.kind == "op"
             self.rcall.append(rec.call_id)
             self.rop.append(rec.op if op else None)
-            self.rin.append(rec.inputs if op else None)
-            self.rout.append(rec.outputs if op else None)
+            self.rin.append(tuple(rec.inputs) if op else None)
+            self.rout.append(tuple(rec.outputs) if op else None)
         for vid, v in self.values.items():
-            self.vkey[vid] = (v.dtype, v.shape, v.hash)
+            self.vkey[vid] = (v.dtype, tuple(v.shape), v.hash)
             if v.producer is not None:
                 self.vprod[vid] = v.producer
             else:
@@ -606,16 +620,11 @@ class Trace:
 
     def _build_all(self) -> None:
         """Every record and value as objects (iterating over all of them): one parse of the whole file."""
-        gc_was = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():
             built = self._record_cache
             for index, d in enumerate(chain.from_iterable(self._parsed_chunks(self._body))):
                 if index not in built:
                     self._build(index, d)
-        finally:
-            if gc_was:
-                gc.enable()
 
     def _build(self, index: int, d: dict | None = None):
         """Record `index` and the values it defines, as objects (cached); without `d`, every record parsed
