@@ -249,16 +249,17 @@ class Recorder:
             raise DivtraceError("this model is already being recorded; nested record() on one model is not supported")
         first = next(self.model.parameters(), None)  # not list(): that walks every parameter of a big model
         device = str(first.device) if first is not None else "cpu"
+        modules = list(self.model.named_modules())
         meta = {"label": self.label, "ops": self.ops, "include": self._include_src, "exclude": self._exclude_src,
                 "model_class": type(self.model).__name__, "settings": numerics_settings(), "view_key": VIEW_KEY,
-                "module_tree": [[name, type(m).__name__] for name, m in self.model.named_modules()],
+                "module_tree": [[name, type(m).__name__] for name, m in modules],
                 **run_environment(device), **self._extra_meta}
         self.writer = TraceWriter(self.path, mode=self.mode, meta=meta, overwrite=self._overwrite,
                                   shard_bytes=self._shard_bytes, flush_records=self._flush_records,
                                   durable=self._durable)
         _ACTIVE_MODELS.add(id(self.model))
         _ACTIVE.append(self)
-        for name, m in self.model.named_modules():
+        for name, m in modules:
             # Pre hook first and post hook last: the call spans the module's own hooks, its inputs are what the
             # caller passed and its outputs what the caller receives.
             self._handles.append(m.register_forward_pre_hook(self._make_pre(name), with_kwargs=True, prepend=True))

@@ -635,6 +635,24 @@ def test_the_index_is_left_out_of_gc_scans(bases, fast, native):
     assert not [x for x in index if gc.is_tracked(x)]
 
 
+class _Scalars(torch.nn.Module):
+    def forward(self, x):
+        return (x + torch.arange(x.shape[-1])).sum() + torch.zeros(())  # ops with no tensor input; 0-d values
+
+
+def test_readers_agree_on_scalars_and_ops_without_inputs(tmp_path):
+    """Empty shapes ("s":[]) and empty input lists ("in":[]) become empty tuples in every reader's index."""
+    m = _Scalars()
+    with torch.no_grad(), divtrace.record(m, tmp_path / "t", mode="hash"):
+        m(torch.randn(3, 4))
+    ref, t = _read(tmp_path / "t", fast=False)
+    assert () in {k[1] for k in t.vkey.values()} and () in set(t.rin)
+    assert _read(tmp_path / "t", fast=True)[0] == ref
+    if reader._native_index_records is not None:
+        got, tn = _read(tmp_path / "t", fast=True, native=True)
+        assert got == ref and tn.read_native
+
+
 class _Splits(torch.nn.Module):
     def forward(self, x):
         return torch.stack(torch.split(x, 1))  # one op with 100 outputs
