@@ -769,7 +769,8 @@ static PyObject *stats_tuple(const state_t *st) {
 }
 
 /* fingerprint(ptr, elem_size, shape, strides, outer_ptr, outer_row_stride, outer_len, stats_kind)
-   -> (h0, h1, stats) with stats None or (min, max, sum, finite, nan, inf). Strides are in elements. */
+   -> (h0, h1, stats) with stats None or (min, max, sum, finite, nan, inf). Strides are in elements. The raw
+   numbers: divtrace uses fingerprint_summary; tests build the summary from these to check it. */
 static PyObject *py_fingerprint(PyObject *self, PyObject *args) {
     state_t st;
     int r = run_kernel(args, &st);
