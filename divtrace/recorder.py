@@ -48,6 +48,9 @@ _STATE = threading.local()  # shared by all recorders: while one does its own bo
 _ACTIVE_MODELS: set[int] = set()
 _ACTIVE: list = []  # recorders inside their `with` block, any thread
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+# -1 outside backward. Module calls inside backward are activation checkpointing's recompute: recorded, they
+# would shift the call numbers of every later forward against a run without checkpointing.
+_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _MAX_DEPTH = 8
 _SEQ = itertools.count()
 # Ops that only allocate (or fill) a buffer. Kernels torch does not see (Triton launched directly, a C extension
@@ -228,6 +231,8 @@ class Recorder:
         self._durable = durable
         self._extra_meta = dict(extra_meta or {})
         self._handles: list = []
+        self._hooked: list = []  # (path, module, pre hook id, post hook id): checked at exit for hooks added since
+        self._backward_calls = 0  # module calls skipped because they ran inside backward
         self._stack: list[_Frame] = []
         self._excluded_depth = 0
         self._calls: dict[str, int] = {}
@@ -259,16 +264,45 @@ class Recorder:
                                   durable=self._durable)
         _ACTIVE_MODELS.add(id(self.model))
         _ACTIVE.append(self)
+        if hasattr(self.model, "_orig_mod") and type(self.model).__name__ == "OptimizedModule":
+            self.warnings.append("the model is torch.compile'd: module hooks and the dispatch mode make it run "
+                                 "eagerly while recorded, so this trace is of the eager computation, not of the "
+                                 "compiled kernels")
         for name, m in modules:
             # Pre hook first and post hook last: the call spans the module's own hooks, its inputs are what the
             # caller passed and its outputs what the caller receives.
-            self._handles.append(m.register_forward_pre_hook(self._make_pre(name), with_kwargs=True, prepend=True))
-            self._handles.append(m.register_forward_hook(self._make_post(name), with_kwargs=True, always_call=True))
+            pre = m.register_forward_pre_hook(self._make_pre(name), with_kwargs=True, prepend=True)
+            post = m.register_forward_hook(self._make_post(name), with_kwargs=True, always_call=True)
+            self._handles += (pre, post)
+            self._hooked.append((name, m, pre.id, post.id))
         if self.ops:
             self._mode_obj = _OpMode(self)
             self._mode_obj.__enter__()
         self._install_signals()
         return self
+
+    def _closing_warnings(self) -> None:
+        """A hook registered inside the block runs outside divtrace's (a forward hook after its post hook, a
+        prepended pre hook before its pre hook): what was recorded for that module is then not what its caller
+        passed or received (a temperature applied to the logits by a hook, say). Say so in the trace."""
+        late = []
+        for name, m, pre, post in self._hooked:
+            try:
+                moved = next(iter(m._forward_pre_hooks)) != pre or next(reversed(m._forward_hooks)) != post
+            except (AttributeError, StopIteration, TypeError):  # another torch's private layout: cannot tell
+                moved = False
+            if moved:
+                late.append(name or "<root>")
+        self._hooked.clear()
+        if self._backward_calls:
+            self.warnings.append(f"{self._backward_calls} module calls ran inside backward (activation "
+                                 "checkpointing's recompute) and were not recorded")
+        if late:
+            self.warnings.append(
+                f"forward hooks were registered on {len(late)} module(s) while recording ({', '.join(late[:5])}"
+                + (", ..." if len(late) > 5 else "") + "): they ran outside divtrace's hooks, so the inputs or "
+                "outputs recorded there may differ from what the caller passed or received; register hooks "
+                "before divtrace.record")
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -284,17 +318,24 @@ class Recorder:
                     writer.deferred = exc
                 else:
                     raise exc
+            on_signal.divtrace_handler = True
             return on_signal
 
-        self._old_signals[signal.SIGTERM] = signal.signal(signal.SIGTERM, handler(RecordingTerminated))
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            self._old_signals[signal.SIGINT] = signal.signal(signal.SIGINT, handler(KeyboardInterrupt))
+        # Only where Python's own handling is in place (or a recorder this one is nested in put its own): a
+        # trainer's handler (finish the step, checkpoint on preemption) keeps its signal, and the recording then
+        # ends however that handler has it end.
+        for sig, default, exc_type in ((signal.SIGTERM, signal.SIG_DFL, RecordingTerminated),
+                                       (signal.SIGINT, signal.default_int_handler, KeyboardInterrupt)):
+            current = signal.getsignal(sig)
+            if current == default or getattr(current, "divtrace_handler", False):
+                self._old_signals[sig] = signal.signal(sig, handler(exc_type))
 
     def __exit__(self, exc_type, exc, tb):
         try:
             if self._mode_obj is not None:
                 self._mode_obj.__exit__(None, None, None)
         finally:
+            self._closing_warnings()
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -499,6 +540,9 @@ class Recorder:
     def _make_pre(self, path: str):
         def pre(module, args, kwargs):
             if _busy() or self.writer.failed:
+                return None
+            if _GRAPH_TASK() != -1:
+                self._backward_calls += 1  # its post hook finds no frame and returns
                 return None
             with _BUSY:
                 self._enter(path, module, args, kwargs)

@@ -68,9 +68,6 @@ def render_bisect(o: Output, r) -> None:
                  ["max |dlogprob|", fin.get("max_abs_logprob_diff")],
                  [f"KL({fin.get('kl_direction', 'a||b')}) per position", fin.get("kl")],
                  ["argmax agreement", fin.get("argmax_agreement")]])
-    if sum(r.unmatched.values()):
-        o.line(f"unmatched module calls: {r.unmatched['a']} only in a, {r.unmatched['b']} only in b "
-               "(use --map FILE if the stacks name modules differently)")
 
 
 def bisect(

@@ -21,6 +21,9 @@ class PathMap:
     def _compile(rules: dict, side: str):
         out = []
         for pat, repl in rules.items():
+            if not (repl is None or isinstance(repl, (str, int, float))):
+                raise DivtraceError(f"--map: the replacement for {pat!r} (side {side}) is not a string: {repl!r} "
+                                    "(a map per side has only the keys a: and b:)")
             try:
                 out.append((re.compile(str(pat)), "" if repl is None else str(repl)))
             except re.error as e:
@@ -36,6 +39,8 @@ class PathMap:
             data = yaml.safe_load(p.read_text())
         except OSError as e:
             raise DivtraceError(f"{p}: cannot read map file: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise DivtraceError(f"{p}: not a text (UTF-8) file; a map file is YAML of regex -> replacement") from None
         except yaml.YAMLError as e:
             raise DivtraceError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
         if data is None:
@@ -51,7 +56,10 @@ class PathMap:
         if not rules:
             return path
         for pat, repl in rules:
-            path = pat.sub(repl, path)
+            try:
+                path = pat.sub(repl, path)
+            except re.error as e:  # a bad group reference in the replacement shows only when the regex matches
+                raise DivtraceError(f"--map: bad replacement {repl!r} for {pat.pattern!r} (side {side}): {e}") from None
         return path
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import re
 import shlex
-from collections import namedtuple
+from collections import Counter, namedtuple
 from dataclasses import dataclass, field
 from itertools import chain
 from math import prod
@@ -218,14 +218,6 @@ class _Walker:
             if child_b is not None and child_b.parent == cb.call_id:
                 yield child_a, child_b
 
-    def op_pairs(self, ca: ModuleCall, cb: ModuleCall) -> list[tuple[int, int]]:
-        """Own ops (record indices) compared position by position, only when both sides ran the same op
-        sequence."""
-        if not self._same_ops(ca, cb):
-            return []
-        out_a, out_b = self.a.rout, self.b.rout
-        return [(ia, ib) for ia, ib in zip(ca.ops, cb.ops) if len(out_a[ia]) == len(out_b[ib])]
-
     def _same_ops(self, ca: ModuleCall, cb: ModuleCall) -> bool:
         return len(ca.ops) == len(cb.ops) and \
             list(map(self.a.rop.__getitem__, ca.ops)) == list(map(self.b.rop.__getitem__, cb.ops))
@@ -244,6 +236,9 @@ class _Walker:
                     flat = chain.from_iterable(map(zip, outs_a, outs_b))
                 else:
                     flat = chain.from_iterable(zip(x, y) for x, y in zip(outs_a, outs_b) if len(x) == len(y))
+                flat = list(flat)
+                if self._reordered(flat):
+                    return self._op_mismatch.setdefault(key, None)
                 m = self.cmp.first_unequal(flat)
                 if m is not None:  # the first op pair with that output pair is where it was found
                     ia, ib = next((ia, ib) for ia, ib, x, y in zip(ca.ops, cb.ops, outs_a, outs_b)
@@ -251,6 +246,16 @@ class _Walker:
                     hit = (ia, ib) + m
             self._op_mismatch[key] = hit
         return hit
+
+    def _reordered(self, flat: list) -> bool:
+        """Whether position-paired op outputs differ only in order: the same values made by the same op names,
+        independent computations run the other way round (RoPE on k before q). Paired by position, a's f(q)
+        met b's f(k) and bisect reported an origin between runs whose every tensor was equal. Then the op
+        sequences give no pairing, and the values at the call's boundary decide."""
+        ka, kb = self.a.vkey, self.b.vkey
+        if len(flat) < 2 or all(ka[va] == kb[vb] for va, vb in flat):
+            return False
+        return Counter(ka[va] for va, _ in flat) == Counter(kb[vb] for _, vb in flat)
 
     def in_mismatch(self, ca: ModuleCall, cb: ModuleCall):
         """cmp.first_mismatch of the two calls' inputs (cached)."""
@@ -521,6 +526,17 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
         first = nxt.pop(0) if nxt else None
         warnings.append("the call trees of the two traces do not nest the same way; the first divergence is the "
                         "earliest differing call, not localized further")
+    if not cmp.compared:
+        # "identical" over no pair at all would be a claim about nothing (every tensor skipped when recording,
+        # meta tensors, say): refuse rather than pass.
+        raise DivtraceError(f"{ta.path} vs {tb.path}: no tensor of one trace has a counterpart in the other, so "
+                            "nothing was compared; were the tensors skipped when recording? (see `divtrace show`)")
+    unmatched = pairing.unmatched()
+    if unmatched["a"] or unmatched["b"]:
+        roots = [sum(1 for c in t.calls.values() if c.module == "") for t in (ta, tb)]
+        warnings.append(f"{unmatched['a']} module calls only in a and {unmatched['b']} only in b were not compared"
+                        + (f" (a called the root {roots[0]} times, b {roots[1]})" if roots[0] != roots[1] else "")
+                        + "; if the stacks name modules differently, pass --map FILE")
     if first is None and cmp.bitwise_differs:
         verdict = "within_tolerance" if cmp.tol is not None else "diverged"
     else:
@@ -541,7 +557,7 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
     return BisectResult(
         verdict=verdict, compared=cmp.compared, first=first, next=nxt, settings=sets,
         final=_final(ta, tb, pairing, cmp), labels=(ta.label, tb.label), paths=(str(ta.path), str(tb.path)),
-        metrics_available=cmp.values_available, complete=(ta.complete, tb.complete), unmatched=pairing.unmatched(),
+        metrics_available=cmp.values_available, complete=(ta.complete, tb.complete), unmatched=unmatched,
         warnings=warnings, hint=_hint(ta, tb, first), bitwise_differs=cmp.bitwise_differs,
         tolerance=None if cmp.tol is None else {"atol": cmp.tol.atol, "rtol": cmp.tol.rtol, "ulp": cmp.tol.ulp})
 

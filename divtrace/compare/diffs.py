@@ -6,12 +6,20 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from divtrace.errors import DivtraceError
+
 
 @dataclass
 class Tolerance:
     atol: Optional[float] = None
     rtol: Optional[float] = None
     ulp: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("atol", "rtol", "ulp"):
+            v = getattr(self, name)
+            if v is not None and not v >= 0:  # NaN too (inf stays: any finite difference passes, NaN still not)
+                raise DivtraceError(f"--{name} must be a number >= 0, got {v}")
 
     def active(self) -> bool:
         return self.atol is not None or self.rtol is not None or self.ulp is not None

@@ -16,6 +16,9 @@ def logprob_mismatch(a: torch.Tensor, b: torch.Tensor, label_a: str = "a", label
     if a.shape != b.shape:
         return {"max_abs_logprob_diff": None, "kl": None, "argmax_agreement": None,
                 "note": f"shapes differ: {list(a.shape)} vs {list(b.shape)}"}
+    if a.numel() == 0:  # an empty micro-batch: no position to summarise (max() of nothing raises)
+        return {"max_abs_logprob_diff": None, "kl": None, "argmax_agreement": None,
+                "note": f"no positions: shape {list(a.shape)}"}
     lpa = torch.log_softmax(a.double(), dim=-1)
     lpb = torch.log_softmax(b.double(), dim=-1)
     p, q = (lpa, lpb) if _train_first(label_a, label_b) else (lpb, lpa)
