@@ -235,3 +235,41 @@ def test_a_real_difference_among_reordered_ops_is_still_found(tmp_path):
             m(q, k)
     r = divtrace.bisect(tmp_path / "a", tmp_path / "b")
     assert r.verdict == "diverged" and r.first.module == "" and r.first.op == "aten.add.Tensor"
+
+
+class _Experts(nn.Module):
+    """An MoE combine: each expert's output added into `out`, in expert order or the reverse."""
+
+    def __init__(self, reverse: bool):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = nn.Parameter(torch.randn(4, 64, 16, generator=g) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(4, 16, 32, generator=g) * 0.2)
+        self.act = nn.SiLU()
+        self.reverse = reverse
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        for e in (reversed(range(4)) if self.reverse else range(4)):
+            gate, up = torch.nn.functional.linear(x, self.w1[e]).chunk(2, dim=-1)
+            out.add_(torch.nn.functional.linear(self.act(gate) * up, self.w2[e]))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["hash", "full"])
+def test_moe_combine_order_names_the_sum_not_a_view(tmp_path, mode):
+    """Summing the experts the other way round: every per-expert value is made on both sides, and the child
+    `act` meets expert 0 on one side and expert 3 on the other. Bisect named `aten.split` (the value feeding
+    the child, which the other side also made, later), with full-mode metrics of two unrelated tensors; the
+    first value only one side made is the running sum."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    for side, reverse in (("a", False), ("b", True)):
+        m = _Experts(reverse)
+        with torch.no_grad(), divtrace.record(m, tmp_path / side, mode=mode):
+            m(x)
+    r = divtrace.bisect(tmp_path / "a", tmp_path / "b")
+    f = r.first
+    assert r.verdict == "diverged" and f.module == "" and f.cause == "origin"
+    assert (f.op, f.op_b) == ("aten.add_.Tensor", "aten.add_.Tensor") and f.tensor.startswith("output of aten.add_")
+    if mode == "full":
+        assert f.diff is not None and f.diff.shape_a == f.diff.shape_b == list(x.shape)  # the two running sums

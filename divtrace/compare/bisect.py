@@ -342,14 +342,32 @@ class _Walker:
             todo.extend(rin[producer])
         return sorted(region)
 
+    def _one_sided(self, ca, cb, va, vb, span_a, span_b):
+        """(va, vb, what) of the first values of the two calls' own code that the other side never made, when
+        the differing values `va` and `vb` were both made on the other side too: child calls met in another
+        order (experts summed the other way round), so the pair that differs is a pairing of calls, not a
+        value one side computed differently. None otherwise."""
+        ka, kb = self.a.vkey, self.b.vkey
+        if ka[va] not in span_b() or kb[vb] not in span_a():
+            return None
+        oa = next((v for i in ca.ops for v in self.a.rout[i] if ka[v] not in span_b()), None)
+        ob = next((v for i in cb.ops for v in self.b.rout[i] if kb[v] not in span_a()), None)
+        if oa is None or ob is None:
+            return None
+        return oa, ob, f"output of {self.a.rop[self.a.vprod[oa]]} #{self.a.vprod[oa]}"
+
     def _own_code(self, ca, cb, va, vb, what) -> Divergence:
-        d = self._divergence(ca, cb, va, vb, what, "origin")
-        if not (self.a.meta.get("ops") and self.b.meta.get("ops")):
-            return d
-        # The other side's span hashes cover a whole call (the root's: the whole trace); built only when the
-        # walk back from the differing value meets a value it has to look up.
+        ops = self.a.meta.get("ops") and self.b.meta.get("ops")
+        # The other side's span hashes cover a whole call (the root's: the whole trace); built once, when ops
+        # were recorded (the check for a reordered pairing and the walk back both look values up in them).
         span_b = functools.cache(lambda: self._span_hashes(self.b, cb))
         span_a = functools.cache(lambda: self._span_hashes(self.a, ca))
+        moved = self._one_sided(ca, cb, va, vb, span_a, span_b) if ops else None
+        if moved is not None:
+            va, vb, what = moved
+        d = self._divergence(ca, cb, va, vb, what, "origin")
+        if not ops:
+            return d
         reg_a = self.region(self.a, ca, va, span_b)
         reg_b = self.region(self.b, cb, vb, span_a)
         d.region_a = [(i, self.a.rop[i]) for i in reg_a]
