@@ -231,7 +231,7 @@ class Recorder:
         self._durable = durable
         self._extra_meta = dict(extra_meta or {})
         self._handles: list = []
-        self._hooked: list = []  # (path, module, pre hook id, post hook id): checked at exit for hooks added since
+        self._hooked: list = []  # (path, module, pre hook id): checked at exit for pre hooks prepended since
         self._backward_calls = 0  # module calls skipped because they ran inside backward
         self._stack: list[_Frame] = []
         self._excluded_depth = 0
@@ -264,17 +264,18 @@ class Recorder:
                                   durable=self._durable)
         _ACTIVE_MODELS.add(id(self.model))
         _ACTIVE.append(self)
-        if hasattr(self.model, "_orig_mod") and type(self.model).__name__ == "OptimizedModule":
+        if any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+               for m in (self.model, *(m for _, m in modules))):
             self.warnings.append("the model is torch.compile'd: module hooks and the dispatch mode make it run "
                                  "eagerly while recorded, so this trace is of the eager computation, not of the "
                                  "compiled kernels")
         for name, m in modules:
             # Pre hook first and post hook last: the call spans the module's own hooks, its inputs are what the
             # caller passed and its outputs what the caller receives.
-            pre = m.register_forward_pre_hook(self._make_pre(name), with_kwargs=True, prepend=True)
             post = m.register_forward_hook(self._make_post(name), with_kwargs=True, always_call=True)
+            pre = m.register_forward_pre_hook(self._make_pre(name, post.id), with_kwargs=True, prepend=True)
             self._handles += (pre, post)
-            self._hooked.append((name, m, pre.id, post.id))
+            self._hooked.append((name, m, pre.id))
         if self.ops:
             self._mode_obj = _OpMode(self)
             self._mode_obj.__enter__()
@@ -282,13 +283,13 @@ class Recorder:
         return self
 
     def _closing_warnings(self) -> None:
-        """A hook registered inside the block runs outside divtrace's (a forward hook after its post hook, a
-        prepended pre hook before its pre hook): what was recorded for that module is then not what its caller
-        passed or received (a temperature applied to the logits by a hook, say). Say so in the trace."""
+        """A pre hook prepended inside the block runs before divtrace's: the inputs recorded for that module
+        are then not what its caller passed. Say so in the trace. (Forward hooks registered inside the block
+        are moved behind divtrace's at each call, so they cannot do the same to outputs.)"""
         late = []
-        for name, m, pre, post in self._hooked:
+        for name, m, pre in self._hooked:
             try:
-                moved = next(iter(m._forward_pre_hooks)) != pre or next(reversed(m._forward_hooks)) != post
+                moved = next(iter(m._forward_pre_hooks)) != pre
             except (AttributeError, StopIteration, TypeError):  # another torch's private layout: cannot tell
                 moved = False
             if moved:
@@ -299,10 +300,10 @@ class Recorder:
                                  "checkpointing's recompute) and were not recorded")
         if late:
             self.warnings.append(
-                f"forward hooks were registered on {len(late)} module(s) while recording ({', '.join(late[:5])}"
-                + (", ..." if len(late) > 5 else "") + "): they ran outside divtrace's hooks, so the inputs or "
-                "outputs recorded there may differ from what the caller passed or received; register hooks "
-                "before divtrace.record")
+                f"forward pre hooks were prepended on {len(late)} module(s) while recording "
+                f"({', '.join(late[:5])}" + (", ..." if len(late) > 5 else "") + "): they ran before divtrace's, "
+                "so the inputs recorded there may differ from what the caller passed; register hooks before "
+                "divtrace.record")
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -328,7 +329,10 @@ class Recorder:
                                        (signal.SIGINT, signal.default_int_handler, KeyboardInterrupt)):
             current = signal.getsignal(sig)
             if current == default or getattr(current, "divtrace_handler", False):
-                self._old_signals[sig] = signal.signal(sig, handler(exc_type))
+                mine = handler(exc_type)
+                mine.divtrace_active, mine.divtrace_old = True, current
+                signal.signal(sig, mine)
+                self._old_signals[sig] = mine
 
     def __exit__(self, exc_type, exc, tb):
         try:
@@ -360,8 +364,13 @@ class Recorder:
                 self.writer.close(status, error, warnings=self.warnings,
                                   unfinished_calls=sum(1 for f in self._stack if f.call_id is not None))
             finally:
-                for sig, old in self._old_signals.items():
-                    signal.signal(sig, old)
+                for sig, mine in self._old_signals.items():
+                    mine.divtrace_active = False
+                    if signal.getsignal(sig) is mine:  # else a handler set inside the block: it stays
+                        old = mine.divtrace_old
+                        while getattr(old, "divtrace_handler", False) and not old.divtrace_active:
+                            old = old.divtrace_old  # a recorder entered before this one and exited already
+                        signal.signal(sig, old)
                 self._old_signals.clear()
             if held is not None and exc_type is None:
                 raise held
@@ -537,10 +546,18 @@ class Recorder:
         return None
 
     # module hooks -----------------------------------------------------------------------------------------
-    def _make_pre(self, path: str):
+    def _make_pre(self, path: str, post_id: int):
         def pre(module, args, kwargs):
             if _busy() or self.writer.failed:
                 return None
+            # A forward hook registered since (a temperature on the logits; transformers' output capture)
+            # would run after the post hook: moved last again, the recorded outputs are what the caller gets.
+            hooks = module._forward_hooks
+            try:
+                if next(reversed(hooks)) != post_id:
+                    hooks.move_to_end(post_id)
+            except (AttributeError, StopIteration, KeyError, TypeError):  # another torch's private layout
+                pass
             if _GRAPH_TASK() != -1:
                 self._backward_calls += 1  # its post hook finds no frame and returns
                 return None

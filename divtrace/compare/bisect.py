@@ -92,6 +92,12 @@ def _computing(op: str, inputs: list, outputs: list, trace: Trace) -> bool:
     return False
 
 
+def _writes(op: str) -> bool:
+    """Whether an aten op writes into an argument: an in-place form (`add_`, `copy_`) or an `out=` overload."""
+    parts = op.split(".")
+    return len(parts) >= 2 and (parts[1].endswith("_") or (len(parts) >= 3 and parts[2].startswith("out")))
+
+
 def _settings_diff(a: dict, b: dict) -> list[dict]:
     """divtrace.settings.settings_diff, which cannot be imported without torch: the settings whose values
     differ, as [{"name", "a", "b"}] (tests/test_bisect_scale.py checks the two agree)."""
@@ -237,7 +243,7 @@ class _Walker:
                 else:
                     flat = chain.from_iterable(zip(x, y) for x, y in zip(outs_a, outs_b) if len(x) == len(y))
                 flat = list(flat)
-                if self._reordered(flat):
+                if self._reordered(flat, ca, cb):
                     return self._op_mismatch.setdefault(key, None)
                 m = self.cmp.first_unequal(flat)
                 if m is not None:  # the first op pair with that output pair is where it was found
@@ -247,13 +253,17 @@ class _Walker:
             self._op_mismatch[key] = hit
         return hit
 
-    def _reordered(self, flat: list) -> bool:
+    def _reordered(self, flat: list, ca: ModuleCall, cb: ModuleCall) -> bool:
         """Whether position-paired op outputs differ only in order: the same values made by the same op names,
         independent computations run the other way round (RoPE on k before q). Paired by position, a's f(q)
         met b's f(k) and bisect reported an origin between runs whose every tensor was equal. Then the op
-        sequences give no pairing, and the values at the call's boundary decide."""
+        sequences give no pairing, and the values at the call's boundary decide. Not where an op writes in
+        place: there the order of the values says which buffer each went into (k and v copied into each
+        other's cache are the same values in another order, and a real difference)."""
         ka, kb = self.a.vkey, self.b.vkey
         if len(flat) < 2 or all(ka[va] == kb[vb] for va, vb in flat):
+            return False
+        if any(_writes(self.a.rop[i]) for i in ca.ops) or any(_writes(self.b.rop[i]) for i in cb.ops):
             return False
         return Counter(ka[va] for va, _ in flat) == Counter(kb[vb] for _, vb in flat)
 
@@ -289,7 +299,8 @@ class _Walker:
         for child_a, child_b in self.child_pairs(ca, cb):
             m = self.in_mismatch(child_a, child_b)
             if m is not None:
-                return self._own_code(ca, cb, m[1], m[2], f"input {m[0]} of {child_a.module or '<root>'}")
+                return self._own_code(ca, cb, m[1], m[2], f"input {m[0]} of {child_a.module or '<root>'}",
+                                      child=(child_a, child_b))
             if self.differs(child_a, child_b):
                 return self.localize(child_a, child_b)
         m = self.out_mismatch(ca, cb)
@@ -342,13 +353,20 @@ class _Walker:
             todo.extend(rin[producer])
         return sorted(region)
 
-    def _one_sided(self, ca, cb, va, vb, span_a, span_b):
+    def _one_sided(self, ca, cb, va, vb, span_a, span_b, child):
         """(va, vb, what) of the first values of the two calls' own code that the other side never made, when
-        the differing values `va` and `vb` were both made on the other side too: child calls met in another
-        order (experts summed the other way round), so the pair that differs is a pairing of calls, not a
-        value one side computed differently. None otherwise."""
+        the child calls were met in another order (experts summed the other way round): each side's differing
+        input went into another call of the same child module on the other side, so the pair that differs is
+        a pairing of calls, not a value one side computed differently. None otherwise (a wrong tensor passed
+        to a child stays the answer: that input is where the two runs part)."""
         ka, kb = self.a.vkey, self.b.vkey
-        if ka[va] not in span_b() or kb[vb] not in span_a():
+
+        def inputs_of(t, module, skip):
+            return {t.vkey[v] for c in t.calls.values() if c.module == module and c is not skip for _, v in c.inputs}
+
+        child_a, child_b = child
+        if ka[va] not in inputs_of(self.b, child_b.module, child_b) or \
+                kb[vb] not in inputs_of(self.a, child_a.module, child_a):
             return None
         oa = next((v for i in ca.ops for v in self.a.rout[i] if ka[v] not in span_b()), None)
         ob = next((v for i in cb.ops for v in self.b.rout[i] if kb[v] not in span_a()), None)
@@ -356,13 +374,13 @@ class _Walker:
             return None
         return oa, ob, f"output of {self.a.rop[self.a.vprod[oa]]} #{self.a.vprod[oa]}"
 
-    def _own_code(self, ca, cb, va, vb, what) -> Divergence:
+    def _own_code(self, ca, cb, va, vb, what, child=None) -> Divergence:
         ops = self.a.meta.get("ops") and self.b.meta.get("ops")
-        # The other side's span hashes cover a whole call (the root's: the whole trace); built once, when ops
-        # were recorded (the check for a reordered pairing and the walk back both look values up in them).
+        # The other side's span hashes cover a whole call (the root's: the whole trace); built only when the
+        # walk back from the differing value (or the check for child calls met in another order) looks one up.
         span_b = functools.cache(lambda: self._span_hashes(self.b, cb))
         span_a = functools.cache(lambda: self._span_hashes(self.a, ca))
-        moved = self._one_sided(ca, cb, va, vb, span_a, span_b) if ops else None
+        moved = self._one_sided(ca, cb, va, vb, span_a, span_b, child) if ops and child else None
         if moved is not None:
             va, vb, what = moved
         d = self._divergence(ca, cb, va, vb, what, "origin")
