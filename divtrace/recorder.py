@@ -244,7 +244,7 @@ class Recorder:
         self._unsettled: set[int] = set()  # vids of fresh buffers (and their views): re-read when used again
         self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (inference tensors)
         self._mode_obj = None
-        self._old_signals: dict = {}
+        self._my_handlers: dict = {}
         self.warnings: list[str] = []
         self.writer: TraceWriter | None = None
 
@@ -332,7 +332,7 @@ class Recorder:
                 mine = handler(exc_type)
                 mine.divtrace_active, mine.divtrace_old = True, current
                 signal.signal(sig, mine)
-                self._old_signals[sig] = mine
+                self._my_handlers[sig] = mine
 
     def __exit__(self, exc_type, exc, tb):
         try:
@@ -364,14 +364,14 @@ class Recorder:
                 self.writer.close(status, error, warnings=self.warnings,
                                   unfinished_calls=sum(1 for f in self._stack if f.call_id is not None))
             finally:
-                for sig, mine in self._old_signals.items():
+                for sig, mine in self._my_handlers.items():
                     mine.divtrace_active = False
                     if signal.getsignal(sig) is mine:  # else a handler set inside the block: it stays
                         old = mine.divtrace_old
                         while getattr(old, "divtrace_handler", False) and not old.divtrace_active:
                             old = old.divtrace_old  # a recorder entered before this one and exited already
                         signal.signal(sig, old)
-                self._old_signals.clear()
+                self._my_handlers.clear()
             if held is not None and exc_type is None:
                 raise held
         return False
@@ -552,8 +552,8 @@ class Recorder:
                 return None
             # A forward hook registered since (a temperature on the logits; transformers' output capture)
             # would run after the post hook: moved last again, the recorded outputs are what the caller gets.
-            hooks = module._forward_hooks
             try:
+                hooks = module._forward_hooks
                 if next(reversed(hooks)) != post_id:
                     hooks.move_to_end(post_id)
             except (AttributeError, StopIteration, KeyError, TypeError):  # another torch's private layout

@@ -183,9 +183,12 @@ def _start_long_recording(tmp_path, out, mode="hash"):
     proc = subprocess.Popen([sys.executable, "-m", "divtrace", "record", f"{entry}:build", "--out", str(out),
                              "--mode", mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + 60
-    while time.time() < deadline:  # wait until some flushes are on disk
-        rec = out / "records.jsonl"
-        if rec.exists() and rec.stat().st_size > 200_000:
+    while time.time() < deadline:  # wait until a flush is whole on disk
+        # Not the file's size alone: a flush is one write of ~4096 records, and a kill landing inside the first
+        # one (a busy machine stretches it) left no whole record (seen once with CI running beside the suite).
+        # The second digest line is written only after the first flush's bytes.
+        rec, sums = out / "records.jsonl", out / "checksums.jsonl"
+        if rec.exists() and rec.stat().st_size > 200_000 and sums.exists() and sums.read_bytes().count(b"\n") >= 2:
             return proc
         time.sleep(0.1)
     proc.kill()
