@@ -17,7 +17,7 @@ from torch import nn
 import divtrace
 from divtrace.compare.diffs import Tolerance
 from divtrace.errors import DivtraceError
-from helpers import ROOT, hf_llama
+from helpers import ROOT
 from test_trace_fixtures import Tiny, cli, record_tiny, tiny_input
 
 
