@@ -95,7 +95,7 @@ def test_wrong_signature_is_a_clear_error(repros, tmp_path, capsys):
 @pytest.mark.parametrize("args,msg", [
     (["--side", "b"], "--side needs --patch"),
     (["--patch", "nofile.py:fix", "--side", "b"], "nofile.py: no such file"),
-    (["--patch", "PATCH", "--side", "c"], "--side must be a or b"),
+    (["--patch", "PATCH", "--side", "c"], "'c' is not one of 'a', 'b'"),
     (["--patch", "PATCH"], "--side a or --side b"),
 ])
 def test_bad_options(repros, tmp_path, capsys, args, msg):

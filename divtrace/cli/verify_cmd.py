@@ -3,7 +3,7 @@ gate), how fast (--profile), and end to end (--runs)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -120,9 +120,10 @@ def render_runs(o: Output, e2e: dict) -> None:
 
 
 def verify(
-    repro_dir: Annotated[Optional[Path], typer.Argument(help="repro directory written by `divtrace repro`")] = None,
+    repro_dir: Annotated[Optional[Path], typer.Argument(metavar="REPRO_DIR",
+                                                        help="repro directory written by `divtrace repro`")] = None,
     patch: Annotated[Optional[str], typer.Option(help="FILE.py:FUNC with the same parameters as side_a/side_b")] = None,
-    side: Annotated[Optional[str], typer.Option(help="the side the patch replaces: a or b")] = None,
+    side: Annotated[Optional[Literal["a", "b"]], typer.Option(help="the side the patch replaces")] = None,
     trials: Annotated[int, typer.Option(help="fresh random input sets at the recorded shapes")] = 20,
     profile: Annotated[bool, typer.Option("--profile", help="time a, b and the patch once the checks pass")] = False,
     force_profile: Annotated[bool, typer.Option("--force-profile", help="profile even when the checks fail")] = False,
@@ -133,12 +134,15 @@ def verify(
     baseline_a: Annotated[Optional[Path], typer.Option(help="unfixed trace of run a: forward-time ratio")] = None,
     baseline_b: Annotated[Optional[Path], typer.Option(help="unfixed trace of run b: forward-time ratio")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="keep the --runs traces here (DIR/a, DIR/b)")] = None,
-    mode: Annotated[str, typer.Option(help="--runs recording mode: hash or full")] = "hash",
+    mode: Annotated[Literal["hash", "full"], typer.Option(help="--runs recording mode")] = "hash",
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable result")] = False,
 ):
-    """Check a fix: bitwise equal to the other side on the recorded inputs, on --trials random inputs and on a
-    shape sweep (batch 1, the recorded size, a larger one; another sequence length), and as accurate as the sides
-    against an fp64 reference. Without --patch it checks side a against side b ("still differs?").
+    """Check a fix on a repro (bitwise, random trials, a shape sweep, an fp64 gate), or end to end with --runs.
+
+    The patch (--patch FILE.py:FUNC, with side_a's and side_b's parameters) replaces --side a or b and must be
+    bitwise equal to the other side on the recorded inputs, on --trials random inputs and on a shape sweep (batch
+    1, the recorded size, a larger one, another sequence length), and as accurate as the sides against an fp64
+    reference. Without --patch, verify checks side b against side a: it fails (exit 1) while the sides differ.
 
     A swept shape the original side cannot run is SKIPPED, not FAILED. The patch runs under the settings of the
     side it replaces. --profile times a, b and the patch once the checks pass. --runs re-records two ENTRYs (as in
