@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from divtrace.errors import DivtraceError
 from divtrace.fingerprint import dtype_name, fingerprint
 from divtrace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue
-from divtrace.settings import numerics_settings, run_environment
+from divtrace.settings import note_grad_mode, numerics_settings, run_environment
 from divtrace.trace.writer import TraceWriter
 from divtrace.views import DERIVABLE_VIEWS, REORDERING, VIEW_KEY, rebuildable, view_fingerprint
 
@@ -245,6 +245,7 @@ class Recorder:
         self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (inference tensors)
         self._mode_obj = None
         self._my_handlers: dict = {}
+        self._root_calls = 0  # calls of the recorded model seen (the first sets the grad-mode settings)
         self.warnings: list[str] = []
         self.writer: TraceWriter | None = None
 
@@ -587,6 +588,9 @@ class Recorder:
         self._stack.append(_Frame(call_id, module, excluded, sys.exc_info()[1], token))
 
     def _enter(self, path, module, args, kwargs):
+        if module is self.model:
+            note_grad_mode(self.writer.meta.setdefault("settings", {}), first=not self._root_calls)
+            self._root_calls += 1
         if module is self.model and self._stack:
             # A new call of the root while calls are open: they were left by an interrupt the caller caught.
             while self._stack:
