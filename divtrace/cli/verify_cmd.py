@@ -18,7 +18,9 @@ def _t(s: float | None) -> str:
 
 
 def _shapes(m: dict) -> str:
-    return " ".join(f"{k}{v}" for k, v in (m.get("shapes") or {}).items()).replace(" ", "") if m.get("shapes") else "-"
+    """`x [2, 16, 128], w [128]`: each input's name, then its shape."""
+    shapes = m.get("shapes") or {}
+    return ", ".join(f"{k} [{', '.join(map(str, v))}]" for k, v in shapes.items()) if shapes else "-"
 
 
 def _row(c: dict) -> list:
@@ -72,8 +74,7 @@ def render_checks(o: Output, res: dict) -> None:
     if trials:
         (o.passed if not bad_trials else o.failed)(f"trials: {trial_text}")
     for w in res.get("warnings") or []:
-        o.warn(w)
-        o.line(f"WARNING: {w}")
+        o.warn(w)  # once, on stderr (as every command's warnings)
 
 
 def render_profile(o: Output, res: dict) -> None:

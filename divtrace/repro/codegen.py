@@ -180,6 +180,9 @@ def gen_side(letter: str, side: Side, names: dict[int, str], params: list[str], 
     if use_sym:
         lines.append(f"    B = {batch_input}.shape[0]  # the batch size (recorded: {batch})")
         code.symbolic = True
+    head = len(lines)  # the DEVICE line goes here when an op needs it
+    if relayout:  # a local copy of the harness's helper: the function stays self-contained (copy it into a patch)
+        lines += ["    " + x if x else x for x in _WITH_LAYOUT.splitlines()]
     for vid, (shape, stride) in relayout.items():
         lines.append(f"    {names[vid]} = _with_layout({names[vid]}, {pylit(list(shape))}, {pylit(list(stride))})"
                      f"  # this side received it in this memory layout")
@@ -227,8 +230,18 @@ def gen_side(letter: str, side: Side, names: dict[int, str], params: list[str], 
                 ref[vid] = var
                 lines.append(f"    {var} = _r{''.join(f'[{k}]' for k in path)}")
     lines.append(f"    return {ref[side.output]}")
+    if any(re.search(r"\bDEVICE\b", x) for x in lines[head:]):
+        # Local, not the script's global: a side copied into a patch file must run as it is. The device is that
+        # of an input that lived on the recorded device, so `repro.py --device` and verify move it along.
+        on_dev = next((names[v] for v in side.leaves if v in names and str(t.values[v].device) == device), None)
+        lines.insert(head, f"    DEVICE = {on_dev}.device  # where the sides run (the recorded {ascii(device)} "
+                           "unless moved)" if on_dev else f"    DEVICE = torch.device({ascii(device)})")
     code.source = "\n".join(lines) + "\n"
     return code
+
+
+# harness._with_layout, for sides that re-lay out an input themselves (they define it locally)
+_WITH_LAYOUT = HARNESS[HARNESS.index("def _with_layout("):HARNESS.index("\n\n\ndef _device(")].strip("\n")
 
 
 HEADER = '''"""divtrace repro: both sides of one divergence as plain torch code, on the tensors they were recorded with.
