@@ -187,6 +187,13 @@ def test_profile_prints_ratios(repros, tmp_path, capsys):
     assert set(p["candidates"]) == {"side a", "side b", "patch"} and p["timer"] == "perf_counter" and p["threads"] == 1
     for c in p["candidates"].values():
         assert {"median_s", "iqr_pct", "gb_per_s", "gflop_per_s", "top_ops"} <= set(c) and c["flops"] > 0
+        # the profiler table agrees with the median: each op's us/iter is its share of the median, so the
+        # listed ops never add up to more than one iteration (the profiler's own figure is kept apart)
+        assert c["top_ops"]
+        for op in c["top_ops"]:
+            assert op["self_us_per_iter"] == pytest.approx(op["share_pct"] / 100 * c["median_s"] * 1e6)
+            assert op["profiled_self_us_per_iter"] > 0
+        assert sum(op["self_us_per_iter"] for op in c["top_ops"]) <= c["median_s"] * 1e6 * 1.0001
 
 
 def test_profile_waits_for_the_bitwise_checks(repros, tmp_path, capsys):

@@ -106,7 +106,8 @@ def render_profile(o: Output, res: dict) -> None:
     rows = [[k, e["op"], f"{e['calls_per_iter']:g}", f"{e['self_us_per_iter']:.1f}", f"{e['share_pct']:.0f}"]
             for k, v in c.items() for e in v.get("top_ops", [])[:5]]
     if rows:
-        o.table("torch.profiler top ops (self time)", ["candidate", "op", "calls/iter", "self us/iter", "share %"],
+        o.table("torch.profiler top ops (self time; us/iter = the op's share of the profiled time x the median above)",
+                ["candidate", "op", "calls/iter", "self us/iter", "share %"],
                 rows)
 
 
