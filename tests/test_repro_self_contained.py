@@ -54,3 +54,37 @@ def test_verify_shapes_column_separates_inputs(sdpa_repro, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert re.search(r"v_proj_out \[2, 16, 128\], add_out \[2, 4, 16, 32\]", out), out[-2000:]
     assert "v_proj_out[2,16,128]add_out" not in out
+
+
+def test_sequence_length_is_symbolic_so_the_sweep_runs(sdpa_repro, tmp_path, capsys):
+    """The attention region builds its causal mask and views at the sequence length: written as S, read from an
+    input, so verify's "another sequence length" sweep runs (it was SKIPPED with the length hard-coded)."""
+    import json
+
+    m = json.loads((sdpa_repro / "manifest.json").read_text())
+    assert m["seq_symbolic"] is True and m["seq"] == 16
+    dims = {i["name"]: i["seq_dims"] for i in m["inputs"]}
+    assert dims == {"v_proj_out": [1], "add_out": [2], "add_out_2": [2]}
+    side_a = _function_source(sdpa_repro / "repro.py", "side_a")
+    assert "S = v_proj_out.shape[1]" in side_a and "full.default([S, S]" in side_a
+    patch = tmp_path / "copy.py"
+    patch.write_text("import torch\n\n\n" + side_a + "\n")
+    capsys.readouterr()
+    assert main(["verify", str(sdpa_repro), "--patch", f"{patch}:side_a", "--side", "b", "--trials", "1"]) == 0
+    assert "PASSED: sweep v_proj_out dim 1 = 31 (another sequence length, was 16)" in capsys.readouterr().out
+    # the unchanged sides differ at the other length too (the sweep compares, it is not skipped)
+    capsys.readouterr()
+    assert main(["verify", str(sdpa_repro), "--trials", "1"]) == 1
+    assert "FAILED: sweep v_proj_out dim 1 = 31 (another sequence length" in capsys.readouterr().out
+
+
+def test_sequence_length_kept_when_it_cannot_be_told(tmp_path):
+    """T equal to the batch size cannot be told apart from it: the repro keeps the recorded length and the
+    manifest says so (no seq_dims, so verify never sweeps a length the code does not follow)."""
+    import json
+
+    a, b = record_pair(tmp_path, "sdpa", batch=2, seq=2)
+    out = tmp_path / "repro"
+    assert main(["repro", str(a), str(b), "--out", str(out)]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["seq_symbolic"] is False and all(i["seq_dims"] is None for i in m["inputs"])
