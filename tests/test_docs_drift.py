@@ -317,7 +317,7 @@ def run_blocks(doc: Path, blocks: list[Block], cwd: Path, capsys) -> None:
 
 
 # a number with a unit of time, a rate, a size or a percentage: what differs from run to run
-_VOLATILE = re.compile(r"-?\d+(\.\d+)?(e-?\d+)?\s?(s|ms|us|µs|MB|GB/s|%)(?=\W|$)")
+_VOLATILE = re.compile(r"-?\d+(\.\d+)?(e-?\d+)?\s?(s|ms|us|µs|MB|GB/s|%|x)(?=\W|$)")
 
 
 def _normal(line: str) -> str:
@@ -354,7 +354,8 @@ def check_output(doc: Path, block: Block, printed: str, last_json) -> None:
     real = {_normal(x) for x in printed.splitlines()}
     missing = [(n, t) for n, t in block.lines if t.strip() and t.strip() != "..." and _normal(t) not in real]
     assert not missing, (f"{doc.name}:{missing[0][0]}: this output line was not printed by the commands above it:\n"
-                         f"{missing[0][1]}\n--- what they printed ---\n{printed[-4000:]}")
+                         + "\n".join(f"{n}: {t}" for n, t in missing)
+                         + f"\n--- what they printed ---\n{printed[-6000:]}")
 
 
 @pytest.mark.parametrize("doc,blocks", list(_run_params()))

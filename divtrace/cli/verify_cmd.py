@@ -97,12 +97,14 @@ def render_profile(o: Output, res: dict) -> None:
     o.line(f"copy bandwidth measured in this run: {p['copy_bw_gb_per_s']:.3g} GB/s; region moves {p['bytes_moved']} "
            f"bytes ({p['bytes_rule']}); flops: {p['flops_rule']}")
     rs = ratios(c, res.get("side") if res.get("patch") else None)
+    # Throughput (work per second) and time per call, both said: "215%" alone reads either way.
     if res.get("patch"):
         (who, a1, r1), (_, a2, r2) = rs
-        o.line(f"{who}: {r1:.0f}% of {a1} (the side it replaces), {r2:.0f}% of {a2} (throughput)")
+        o.line(f"{who} throughput: {r1:.0f}% of {a1} (the side it replaces), {r2:.0f}% of {a2}; time per call: "
+               f"{100 / r1:.2f}x {a1}, {100 / r2:.2f}x {a2}")
     else:
         who, a1, r1 = rs[0]
-        o.line(f"{who}: {r1:.0f}% of {a1} (throughput)")
+        o.line(f"{who} throughput: {r1:.0f}% of {a1}; time per call: {100 / r1:.2f}x {a1}")
     rows = [[k, e["op"], f"{e['calls_per_iter']:g}", f"{e['self_us_per_iter']:.1f}", f"{e['share_pct']:.0f}"]
             for k, v in c.items() for e in v.get("top_ops", [])[:5]]
     if rows:
