@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from divtrace.errors import DivtraceError
 from divtrace.fingerprint import dtype_name, fingerprint
 from divtrace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue
-from divtrace.settings import numerics_settings, run_environment
+from divtrace.settings import note_grad_mode, numerics_settings, run_environment
 from divtrace.tokens import layout as token_layout
 from divtrace.tokens.identity import TokenTracker
 from divtrace.tokens.rowhash import contiguous_row_hashes, row_hashes
@@ -258,6 +258,7 @@ class Recorder:
         self._grid = None  # the token grid of the root call in progress (divtrace.tokens.identity.TokenGrid)
         self._token_store: TokenStoreWriter | None = None
         self._rowed: set[int] = set()  # vids whose token rows were looked at (the current root call's)
+        self._root_calls = 0  # calls of the recorded model seen (the first sets the grad-mode settings)
         self.warnings: list[str] = []
         self.writer: TraceWriter | None = None
 
@@ -649,6 +650,9 @@ class Recorder:
         self._stack.append(_Frame(call_id, module, excluded, sys.exc_info()[1], token))
 
     def _enter(self, path, module, args, kwargs):
+        if module is self.model:
+            note_grad_mode(self.writer.meta.setdefault("settings", {}), first=not self._root_calls)
+            self._root_calls += 1
         if module is self.model and self._stack:
             # A new call of the root while calls are open: they were left by an interrupt the caller caught.
             while self._stack:
