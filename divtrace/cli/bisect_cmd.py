@@ -1,19 +1,12 @@
 """divtrace bisect: the first divergence between two traces, localized to module and op."""
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
 from divtrace.cli.output import Output
-
-
-class Align(str, Enum):
-    auto = "auto"
-    tokens = "tokens"
-    calls = "calls"
 
 
 def _token_text(t: dict) -> str:
@@ -144,10 +137,10 @@ def bisect(
     next_n: Annotated[int, typer.Option("--next", help="how many further diverging records to list")] = 5,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write a PNG of where the runs part, per record")] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="write an HTML report of the same")] = None,
-    align: Annotated[Align, typer.Option("--align", help="pair by tokens (a rollout's prefill and decode steps "
+    align: Annotated[Literal["auto", "tokens", "calls"], typer.Option("--align", help="pair by tokens (a rollout's prefill and decode steps "
                                          "against a trainer's micro-batches) or by module calls; auto: tokens when "
                                          "both traces carry token identity and their calls hold different rows")
-                     ] = Align.auto,
+                     ] = "auto",
 ):
     """Find the first divergence between two traces: the module and aten op where it originates.
 
@@ -173,7 +166,7 @@ def bisect(
     o = Output(json_out)
     tol = Tolerance(atol=atol, rtol=rtol, ulp=ulp)
     path_map = PathMap.from_file(map_file) if map_file else None
-    r = run_bisect(a, b, tol=tol, path_map=path_map, n_next=next_n, align=align.value)
+    r = run_bisect(a, b, tol=tol, path_map=path_map, n_next=next_n, align=align)
     if plot is not None or html is not None:
         from divtrace.compare.plot import write_plots
 
