@@ -36,6 +36,8 @@ class TokenBisectResult(BisectResult):
     origins: list = field(default_factory=list)
     first_extra: dict = field(default_factory=dict)
     reason: str | None = None
+    first_cells: tuple | None = None  # (root call a, cell a, root call b, cell b) of `first`'s token (for repro)
+    token_sides: tuple | None = None  # the two TraceTokens (for repro)
 
     @property
     def exit_code(self) -> int:
@@ -204,9 +206,11 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
     # -- report ------------------------------------------------------------------------------------------------
     first = None
     first_extra: dict = {}
+    first_cells = None
     origins = []
     if found:
         _, k, first, ra, ca, rb, cb = found[0]
+        first_cells = (ra, ca, rb, cb)
         first_extra = _first_extra(sa, sb, first, ra, ca, rb, cb)
         seen = {}
         for _, kk, d, ra_, ca_, rb_, cb_ in found:
@@ -270,7 +274,7 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
         labels=(ta.label, tb.label), paths=(str(ta.path), str(tb.path)), metrics_available=metrics,
         complete=(ta.complete, tb.complete), unmatched={"a": 0, "b": 0}, warnings=warnings, hint=None,
         bitwise_differs=n_diff, tolerance=None, tokens=tokens, origins=origins, first_extra=first_extra,
-        reason=reason)
+        reason=reason, first_cells=first_cells, token_sides=(sa, sb))
 
 
 def _compare_rows(sa, sb, va, vb, ra, rb, cells_a, cells_b, with_valid=False):
