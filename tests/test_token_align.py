@@ -362,6 +362,22 @@ def test_row_fingerprints_c_and_torch_agree_and_see_every_bit():
             finally:
                 rowhash._native_rows = native
             assert (c == t).all(), (dtype, cols)
+    # a [16, 1] column with stride 16 on its size-1 dim (found on a GPU, where the torch path runs): both agree
+    col = torch.arange(32).reshape(2, 16).t()[:, :1]
+    assert col.stride() == (1, 16)
+    native, rowhash._native_rows = rowhash._native_rows, None
+    try:
+        t = rowhash.row_hashes(col)
+    finally:
+        rowhash._native_rows = native
+    assert (rowhash.row_hashes(col) == t).all()
+    odd = torch.randn(40, generator=g).to(torch.bfloat16)[1:37].reshape(3, 12)  # starts 2 bytes into a 4-byte lane
+    native, rowhash._native_rows = rowhash._native_rows, None
+    try:
+        t = rowhash.row_hashes(odd)
+    finally:
+        rowhash._native_rows = native
+    assert (rowhash.row_hashes(odd) == t).all()
     x = torch.zeros(3, 4)
     y = x.clone()
     y[1, 2] = -0.0  # one bit: the sign of a zero
