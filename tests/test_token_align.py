@@ -98,6 +98,21 @@ def test_json_doc_lists_the_token_keys(down_proj_traces):
     assert set(d["final"]) == keys["Token-aligned `final`"]
 
 
+def test_plot_is_a_token_by_module_picture(down_proj_traces, tmp_path):
+    pytest.importorskip("matplotlib")
+    train, roll = down_proj_traces["hash"]
+    png = tmp_path / "parting.png"
+    rc, _, err = _cli("bisect", train, roll, "--plot", png)
+    assert rc == 1, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = bisect(train, roll)
+    rank, row = r.module_rows["model.layers.1.mlp.down_proj"]
+    assert sum(row.values()) == 6  # the decoded tokens, from the planted module on
+    assert sum(r.module_rows["model.layers.1.mlp.up_proj"][1].values()) == 0  # before it in forward order
+    rc, _, err = _cli("bisect", train, roll, "--html", tmp_path / "r.html")
+    assert rc == 2 and "--html is not made for a token-aligned bisect" in err
+
+
 def test_cli_names_the_token_and_the_batch_size_cause(down_proj_traces):
     train, roll = down_proj_traces["hash"]
     rc, out, err = _cli("bisect", train, roll)

@@ -167,7 +167,16 @@ def bisect(
     tol = Tolerance(atol=atol, rtol=rtol, ulp=ulp)
     path_map = PathMap.from_file(map_file) if map_file else None
     r = run_bisect(a, b, tol=tol, path_map=path_map, n_next=next_n, align=align)
-    if plot is not None or html is not None:
+    if getattr(r, "alignment", "calls") == "tokens" and (plot is not None or html is not None):
+        if html is not None:
+            from divtrace.errors import DivtraceError
+
+            raise DivtraceError("--html is not made for a token-aligned bisect yet; use --plot FILE.png (token x "
+                                "module), or --align calls")
+        from divtrace.compare.token_plot import write_token_plot
+
+        write_token_plot(r, plot)
+    elif plot is not None or html is not None:
         from divtrace.compare.plot import write_plots
 
         write_plots(a, b, r, png=plot, html=html, path_map=path_map)

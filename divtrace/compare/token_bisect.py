@@ -37,6 +37,10 @@ class TokenBisectResult(BisectResult):
     first_extra: dict = field(default_factory=dict)
     reason: str | None = None
     first_cells: tuple | None = None  # (root call a, cell a, root call b, cell b) of `first`'s token (for repro)
+    # module path -> (forward rank, {token key: differs}) from the sweep, and token key -> (sequence, position):
+    # what `bisect --plot` draws as a token x module picture
+    module_rows: dict = field(default_factory=dict)
+    token_order: dict = field(default_factory=dict)
     token_sides: tuple | None = None  # the two TraceTokens (for repro)
 
     @property
@@ -140,6 +144,7 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
     # -- sweep: module outputs and the final rows, per shared token -------------------------------------------
     differs: dict[int, bool] = {}
     final_diff: dict[int, bool] = {}
+    module_rows: dict = {}
     compared = 0
     final_compared = 0
     for (ra, rb), toks in groups.items():
@@ -149,16 +154,25 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
         cells_a = np.array([c for _, c, _ in toks], dtype=np.int64)
         cells_b = np.array([c for _, _, c in toks], dtype=np.int64)
         bad = np.zeros(len(toks), dtype=bool)
+        order = sa.order(ra)
         for call_a in va.calls.values():
             call_b = pairing.partner(call_a)
             if call_b is None:
                 continue
+            mod_bad, seen = np.zeros(len(toks), dtype=bool), False
             for _, xa, xb in cmp.pairs(call_a.outputs, call_b.outputs):
                 got = _compare_rows(sa, sb, xa, xb, ra, rb, cells_a, cells_b)
                 if got is not None:
                     neq, n = got
                     bad |= neq
+                    mod_bad |= neq
                     compared += n
+                    seen = True
+            if seen:
+                label = call_a.module + (f" #{call_a.call}" if call_a.call else "")
+                rank, row = module_rows.setdefault(label, (order.get((call_a.module, call_a.call), 0), {}))
+                for (k, _, _), d in zip(toks, mod_bad):
+                    row[k] = row.get(k, False) or bool(d)
         fa, fb = _final_key(sa, va.root), _final_key(sb, vb.root)
         if fa is not None and fb is not None:
             got = _compare_rows(sa, sb, fa[1], fb[1], ra, rb, cells_a, cells_b, with_valid=True)
@@ -274,7 +288,8 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
         labels=(ta.label, tb.label), paths=(str(ta.path), str(tb.path)), metrics_available=metrics,
         complete=(ta.complete, tb.complete), unmatched={"a": 0, "b": 0}, warnings=warnings, hint=None,
         bitwise_differs=n_diff, tolerance=None, tokens=tokens, origins=origins, first_extra=first_extra,
-        reason=reason, first_cells=first_cells, token_sides=(sa, sb))
+        reason=reason, first_cells=first_cells, token_sides=(sa, sb), module_rows=module_rows,
+        token_order={k: (seq_of[k], pos_of[k]) for k in shared})
 
 
 def _compare_rows(sa, sb, va, vb, ra, rb, cells_a, cells_b, with_valid=False):
