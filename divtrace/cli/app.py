@@ -93,10 +93,22 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug must still not print a traceback at the user unless asked to
         if debug:
             raise
+        from divtrace.oserrors import is_write_error, os_reason
+
+        if is_write_error(e):  # a file the system would not let us write (or read): its path and the reason
+            where = getattr(e, "filename", None)
+            error(f"{where}: {os_reason(e)}" if where else f"cannot write: {os_reason(e)}")
+            return 2
         error(f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
               "(set DIVTRACE_DEBUG=1 for a traceback)")
         code = 2
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except OSError as e:  # stdout is a full disk or a closed pipe: the output is lost, say so once
+        from divtrace.oserrors import os_reason
+
+        error(f"cannot write the output to stdout: {os_reason(e)}")
+        code = code or 2
     return code
 
 

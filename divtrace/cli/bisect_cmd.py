@@ -18,11 +18,17 @@ def render_bisect(o: Output, r) -> None:
     elif r.verdict == "within_tolerance":
         o.passed(f"within tolerance: {r.compared} tensor pairs compared, {r.bitwise_differs} differ bitwise but "
                  f"all pass {d['tolerance']}")
+    elif r.verdict == "inconclusive":
+        c = r.coverage
+        o.inconclusive(f"{r.reason} [{la} vs {lb}: {r.compared} tensor pairs compared over {c.calls_compared} "
+                       f"call pairs, all equal; {c.only_a} calls only in a, {c.only_b} only in b]")
     else:
         f = r.first
         where = f.module or "<root>"
         ops = f" op {f.op}" + (f" (a) / {f.op_b} (b)" if f.op_b and f.op_b != f.op else "") if f.op or f.op_b else ""
         o.failed(f"diverged: first divergence originates in {where} call {f.call}{ops} [cause: {f.cause}]")
+        if not all(r.complete):
+            o.line(f"note: {r.reason}")
     for w in r.warnings:
         o.warn(w)
     if r.first is not None:
@@ -85,7 +91,9 @@ def bisect(
     """Find the first divergence between two traces: the module and aten op where it originates.
 
     Comparison is bitwise (dtype, shape and raw bytes; -0.0 != 0.0, NaNs by their bits) unless --atol,
-    --rtol or --ulp is given. Exit 0 identical, 1 diverged, 2 bad input.
+    --rtol or --ulp is given. Exit 0 identical (both traces complete, final outputs compared and equal),
+    1 diverged, 2 bad input, 3 inconclusive (a trace stopped early or holds computation divtrace did not see,
+    and nothing diverged before: the INCONCLUSIVE line says why and what to do).
 
     \b
     Examples:
@@ -105,7 +113,12 @@ def bisect(
     if plot is not None or html is not None:
         from divtrace.compare.plot import write_plots
 
-        write_plots(a, b, r, png=plot, html=html, path_map=path_map)
+        from divtrace.oserrors import cannot_write
+
+        try:
+            write_plots(a, b, r, png=plot, html=html, path_map=path_map)
+        except OSError as e:
+            raise cannot_write(getattr(e, "filename", None) or plot or html, e, "cannot write the plot") from None
     if json_out:
         o.json(r.to_dict())
     else:

@@ -55,6 +55,10 @@ class Output:
         if not self.json_mode:
             self.console.print(f"[bold red]FAILED[/]: {_esc(text)}")
 
+    def inconclusive(self, text: str) -> None:
+        if not self.json_mode:
+            self.console.print(f"[bold yellow]INCONCLUSIVE[/]: {_esc(text)}")
+
     def warn(self, text: str) -> None:
         self.err.print(f"[yellow]warning[/]: {_esc(text)}")
 
