@@ -267,7 +267,7 @@ def prepare_trace_dir(path: Path, overwrite: bool) -> tuple[Path, bool]:
         created = not path.exists()
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DivtraceError(f"{path}: cannot create the trace directory: {os_reason(e)}") from None
+        raise DivtraceError(f"{path}: cannot write trace directory: {os_reason(e)}") from None
     lock = None
     try:
         lock = take_lock(path)
@@ -288,7 +288,7 @@ def prepare_trace_dir(path: Path, overwrite: bool) -> tuple[Path, bool]:
         release_lock(lock)
         removed = _remove_if_created(path, created)
         if isinstance(e, OSError):
-            raise DivtraceError(f"{path}: cannot write the trace directory: {os_reason(e)}"
+            raise DivtraceError(f"{path}: cannot write trace directory: {os_reason(e)}"
                                 + ("; the directory was removed" if removed else "")) from None
         raise
     return lock, created
