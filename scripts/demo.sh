@@ -15,6 +15,6 @@ set -e
 set +e
 "$DT" bisect "$OUT/train" "$OUT/infer"
 rc=$?
-echo "bisect exit code: $rc (0 identical, 1 diverged, 2 bad input)"
+echo "bisect exit code: $rc (0 identical, 1 diverged, 2 bad input, 3 inconclusive)"
 [ "$rc" -le 1 ] || exit "$rc"
 exit 0
