@@ -94,12 +94,30 @@ def progress(t, ref) -> str:
     if not calls:
         return f"stopped before its first module call was written ({whose} {len(ref.calls)} module calls)"
     open_top = next((i for i, c in enumerate(top) if c.exit_index is None), None)
+    if open_top is None:
+        # Every root call has its exit (an exception closes the calls it passes through): the stop came inside the
+        # last one when it holds fewer calls than the reference's call of the same number, else after it.
+        k = len(top) - 1
+        ref_calls = sorted(ref.calls.values(), key=lambda c: c.enter_index)
+        inside = k < len(_root_spans(ref_calls)) and _root_spans(calls)[k] < _root_spans(ref_calls)[k]
+        open_top = k if inside else None
     where = (f"stopped in root call {open_top + 1} of {ref_top}" if open_top is not None
              else f"stopped after root call {len(top)} of {ref_top}")
     unfinished = [c for c in calls if c.exit_index is None]
     last = unfinished[-1] if unfinished else calls[-1]
     return (f"{where} after {len(calls)} of {whose} {len(ref.calls)} module calls; last module "
             f"{last.module or '<root>'}")
+
+
+def _root_spans(calls: list) -> list[int]:
+    """Per top-level call (in order), how many calls it spans, itself included (`calls` sorted by enter)."""
+    spans = []
+    for c in calls:
+        if c.parent is None:
+            spans.append(0)
+        if spans:
+            spans[-1] += 1
+    return spans
 
 
 def _incomplete(t: TraceSeen) -> str:
