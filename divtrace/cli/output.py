@@ -89,6 +89,11 @@ def _fmt(v) -> str:
     return str(v)
 
 
+errors_printed = 0  # error lines printed so far (main() says "interrupted" only where nothing was said)
+
+
 def error(message: str) -> None:
     """The single place errors are printed: one line on stderr."""
+    global errors_printed
+    errors_printed += 1
     sys.stderr.write(f"divtrace: error: {message}\n")
