@@ -27,7 +27,10 @@ def record(
     """Record one run of ENTRY (every module call and aten op) into a trace.
 
     ENTRY's function returns (model, inputs); divtrace runs model(*inputs), or model(**inputs) for a dict,
-    under torch.no_grad() by default. Record each side in its own process.
+    under torch.no_grad() by default. Record each side in its own process. While it records, DIR holds a
+    lock naming the process: a second record into DIR is refused (a lock left by a killed process is not).
+    Exit 0 recorded, 2 bad input or an --out that cannot be written (one line: the path and the reason),
+    130 interrupted or terminated (the line says whether a partial trace was left, marked incomplete).
 
     \b
     Examples:

@@ -532,10 +532,11 @@ def _final_outputs(ta: Trace, tb: Trace, pairing: Pairing, walker: _Walker) -> t
 
 
 def _nothing_to_compare(ta: Trace, tb: Trace) -> BisectResult:
-    """The verdict when a trace stopped before its first module call was written: inconclusive, saying why."""
+    """The verdict when a trace stopped before anything could be compared (before its first module call was
+    written, say): inconclusive, saying why."""
     v = decide(origin_found=False, within_tolerance=False, final_compared=False, final_equal=None,
                a=_seen(ta, "a", tb), b=_seen(tb, "b", ta), calls_compared=0, only_a=len(ta.calls),
-               only_b=len(tb.calls), final_note="a trace holds no module call")
+               only_b=len(tb.calls), final_note="nothing was compared")
     assert v.verdict == INCONCLUSIVE, v  # only an incomplete trace gets here
     return BisectResult(
         verdict=v.verdict, reason=v.reason, coverage=v.coverage, compared=0, first=None, next=[], settings=[],
@@ -612,6 +613,8 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
         first = nxt.pop(0) if nxt else None
         warnings.append("the call trees of the two traces do not nest the same way; the first divergence is the "
                         "earliest differing call, not localized further")
+    if not cmp.compared and not (ta.complete and tb.complete):
+        return _nothing_to_compare(ta, tb)  # a recording that stopped before any tensor pair could be compared
     if not cmp.compared:
         # "identical" over no pair at all would be a claim about nothing (every tensor skipped when recording,
         # meta tensors, say): refuse rather than pass.
