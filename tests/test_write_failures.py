@@ -8,6 +8,7 @@ import builtins
 import errno
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -288,7 +289,7 @@ def test_a_second_recording_into_a_busy_directory_names_the_process(entry, tmp_p
     assert not (out / LOCK).exists()  # released at close
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        (out / LOCK).write_text(json.dumps({"pid": holder.pid, "host": os.uname().nodename}))
+        (out / LOCK).write_text(json.dumps({"pid": holder.pid, "host": platform.node()}))
         before = {p.name: p.read_bytes() for p in out.iterdir()}
         for extra in ((), ("--overwrite",)):
             code, _, err = cli("record", entry, "--out", out, *extra)

@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import json
 import os
+import platform
 import re
 import struct
 import time
@@ -214,7 +215,7 @@ def _lock_owner(lock: Path) -> dict | None:
         pid = int(owner["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if owner.get("host") not in (None, os.uname().nodename):
+    if owner.get("host") not in (None, platform.node()):
         return owner  # another machine's process (a shared file system): cannot tell, so it holds
     return owner if pid != os.getpid() and _pid_alive(pid) else None
 
@@ -223,14 +224,14 @@ def take_lock(path: Path) -> Path:
     """Create `path`/LOCK naming this process; a lock whose process is dead is replaced. DivtraceError when a
     live process holds it (two recordings into one directory would interleave their files)."""
     lock = path / LOCK
-    body = json.dumps({"pid": os.getpid(), "host": os.uname().nodename}).encode()
+    body = json.dumps({"pid": os.getpid(), "host": platform.node()}).encode()
     for _ in range(3):
         try:
             fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             owner = _lock_owner(lock)
             if owner is not None:
-                host = f" on {owner['host']}" if owner.get("host") not in (None, os.uname().nodename) else ""
+                host = f" on {owner['host']}" if owner.get("host") not in (None, platform.node()) else ""
                 raise DivtraceError(f"{path}: is being recorded by process {owner['pid']}{host} (lock {lock}); wait "
                                     "for it to finish or record into another --out (if that process is gone, "
                                     "remove the lock file)") from None
