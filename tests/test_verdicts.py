@@ -260,6 +260,8 @@ def test_empty_incomplete_trace_says_why(tmp_path):
     assert code == 3 and r["verdict"] == "inconclusive" and r["compared"] == 0
     assert "no space left on device" in r["reason"] and "stopped before its first module call" in r["reason"]
     assert "inside the record block" not in out + err
+    code, out, err = cli("bisect", ref, part)
+    assert code == 3 and out.startswith("INCONCLUSIVE: ") and "nothing compared" in out and "all equal" not in out
     m = Tiny()
     with torch.no_grad():
         m(tiny_input())  # outside the block: a complete trace with no call stays bad input

@@ -20,8 +20,9 @@ def render_bisect(o: Output, r) -> None:
                  f"all pass {d['tolerance']}")
     elif r.verdict == "inconclusive":
         c = r.coverage
-        o.inconclusive(f"{r.reason} [{la} vs {lb}: {r.compared} tensor pairs compared over {c.calls_compared} "
-                       f"call pairs, all equal; {c.only_a} calls only in a, {c.only_b} only in b]")
+        seen = (f"{r.compared} tensor pairs compared over {c.calls_compared} call pairs, all equal" if r.compared
+                else "nothing compared")
+        o.inconclusive(f"{r.reason} [{la} vs {lb}: {seen}; {c.only_a} calls only in a, {c.only_b} only in b]")
     else:
         f = r.first
         where = f.module or "<root>"
