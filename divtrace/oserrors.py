@@ -14,6 +14,13 @@ _REASONS = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only fil
 def os_reason(e: BaseException) -> str:
     """The system's reason for a failed write, in words: an OSError's strerror, or the OS message inside a
     safetensors error ("Error while serializing: IoError(Os { code: 28, ... message: \"No space left...\" })")."""
+    import shutil
+
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:
+        # copytree's collected failures [(src, dst, "[Errno 28] No space left on device: '...'"), ...]: the first
+        why = str(e.args[0][0][-1])
+        m = re.match(r"\[Errno (\d+)\] ([^:]+)", why)
+        return _REASONS.get(int(m.group(1)), m.group(2)) if m else why
     if isinstance(e, OSError):
         if e.errno in _REASONS:
             return _REASONS[e.errno]

@@ -319,3 +319,30 @@ def test_a_lock_left_by_a_killed_recording_into_a_new_directory(tmp_path):
     with torch.no_grad(), divtrace.record(m, out, mode="hash"):
         m(tiny_input())
     assert Trace(out).complete and not (out / LOCK).exists()
+
+
+def test_skill_install_that_fails_halfway_leaves_no_partial_copy(tmp_path, monkeypatch):
+    import shutil
+
+    from divtrace.cli import skill_cmd
+
+    real = shutil.copytree
+    calls = {"n": 0}
+
+    def copy2(src, dst, *args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second file: the first is already in the temp copy
+            raise _enospc(dst)
+        return shutil.copy2(src, dst, *args, **kw)
+
+    def copytree(src, dst, **kw):
+        return real(src, dst, **{**kw, "copy_function": copy2})
+
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(skill_cmd, "shutil", SimpleNamespace(copytree=copytree, rmtree=shutil.rmtree,
+                                                             ignore_patterns=shutil.ignore_patterns))
+    code, _, err = cli("skill", "install", "--dir", tmp_path)
+    _one_line(code, err, f"{tmp_path / 'divtrace'}: cannot install the skill: no space left on device",
+              "nothing was installed")
+    assert list(tmp_path.iterdir()) == [] and skill_cmd.NAME == "divtrace"
