@@ -295,6 +295,9 @@ def test_a_second_recording_into_a_busy_directory_names_the_process(entry, tmp_p
             code, _, err = cli("record", entry, "--out", out, *extra)
             _one_line(code, err, f"{out}: is being recorded by process {holder.pid}", str(out / LOCK))
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+        # At once: before the ENTRY builds its model (this one would be interrupted while building).
+        code, _, err = cli("record", entry, "--out", out, "--arg", "stop=build")
+        _one_line(code, err, f"is being recorded by process {holder.pid}")
         with pytest.raises(DivtraceError, match=f"being recorded by process {holder.pid}"):
             with divtrace.record(Tiny(), out, overwrite=True):
                 pass

@@ -43,8 +43,11 @@ def record(
     from divtrace.entry import parse_args, record_entry
     from divtrace.trace.reader import Trace
 
+    from divtrace.trace.writer import check_not_busy
+
     o = Output(json_out)
     kwargs = parse_args(arg)
+    check_not_busy(out)  # say so before building the model, which can take minutes
     t0 = time.time()
     try:
         elapsed = record_entry(entry, out, args=kwargs, mode=mode, ops=not no_ops, include=include, exclude=exclude,

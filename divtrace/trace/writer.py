@@ -220,6 +220,20 @@ def _lock_owner(lock: Path) -> dict | None:
     return owner if pid != os.getpid() and _pid_alive(pid) else None
 
 
+def _busy_error(path: Path, lock: Path, owner: dict) -> DivtraceError:
+    host = f" on {owner['host']}" if owner.get("host") not in (None, platform.node()) else ""
+    return DivtraceError(f"{path}: is being recorded by process {owner['pid']}{host} (lock {lock}); wait for it to "
+                         "finish or record into another --out (if that process is gone, remove the lock file)")
+
+
+def check_not_busy(path: Path) -> None:
+    """DivtraceError at once when a live process is recording into `path` (before a model is built for nothing);
+    `take_lock` settles it for good."""
+    owner = _lock_owner(Path(path) / LOCK) if (Path(path) / LOCK).exists() else None
+    if owner is not None:
+        raise _busy_error(Path(path), Path(path) / LOCK, owner)
+
+
 def take_lock(path: Path) -> Path:
     """Create `path`/LOCK naming this process; a lock whose process is dead is replaced. DivtraceError when a
     live process holds it (two recordings into one directory would interleave their files)."""
@@ -231,10 +245,7 @@ def take_lock(path: Path) -> Path:
         except FileExistsError:
             owner = _lock_owner(lock)
             if owner is not None:
-                host = f" on {owner['host']}" if owner.get("host") not in (None, platform.node()) else ""
-                raise DivtraceError(f"{path}: is being recorded by process {owner['pid']}{host} (lock {lock}); wait "
-                                    "for it to finish or record into another --out (if that process is gone, "
-                                    "remove the lock file)") from None
+                raise _busy_error(path, lock, owner) from None
             try:
                 lock.unlink()  # stale: left by a killed recording
             except FileNotFoundError:
