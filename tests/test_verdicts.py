@@ -151,7 +151,7 @@ def test_origin_in_a_stopped_recording_is_a_divergence(llama_traces):
     assert r["first"]["module"] == "model.layers.0.input_layernorm" and r["first"]["cause"] == "origin"
     assert f"trace {part} is incomplete" in r["reason"] and "the divergence is real" in r["reason"]
     code, out, _ = cli("bisect", ref, part)
-    assert code == 1 and out.startswith("FAILED: diverged") and "note: an origin was found" in out
+    assert code == 1 and out.startswith("FAILED: diverged") and "note: the runs diverge" in out
 
 
 def test_unseen_computation_makes_identical_inconclusive(llama_traces, tmp_path):

@@ -145,15 +145,15 @@ def decide(*, origin_found: bool, within_tolerance: bool, final_compared: bool, 
                    {"a": list(a.unseen), "b": list(b.unseen)}, unit)
     incomplete = [t for t in (a, b) if not t.complete]
     if origin_found:
-        reason = "an origin was found: inputs bitwise equal on both sides, output differs"
+        reason = "the runs diverge (`first` says where, and whether its inputs were still equal)"
         if incomplete:
             reason += ("; the divergence is real, but " + "; ".join(map(_incomplete, incomplete))
                        + ", so later divergences may be missing")
         return Verdict(DIVERGED, reason, cov, EXIT_CODES[DIVERGED])
     why = []
     for t in incomplete:
-        why.append(f"{_incomplete(t)}, and no divergence was found before it stopped; re-record it to its end (a run that "
-                   "finishes closes its trace as complete) and compare again")
+        why.append(f"{_incomplete(t)}, and no divergence was found before it stopped; re-record it to its end (a "
+                   "run that finishes closes its trace as complete) and compare again")
     for t in (a, b):
         if t.unseen:
             why.append(f"trace {t.path} ran computation divtrace did not see ({'; '.join(t.unseen)}): what was "
