@@ -349,3 +349,38 @@ def test_skill_install_that_fails_halfway_leaves_no_partial_copy(tmp_path, monke
     _one_line(code, err, f"{tmp_path / 'divtrace'}: cannot install the skill: no space left on device",
               "nothing was installed")
     assert list(tmp_path.iterdir()) == [] and skill_cmd.NAME == "divtrace"
+
+
+SWALLOW = """
+import importlib.abc, os, signal, sys, time
+
+class SwallowCtrlC(importlib.abc.MetaPathFinder):
+    # What torch's import does with a Ctrl-C landing in its numpy probe: swallows it.
+    done = False
+
+    def find_spec(self, name, path, target=None):
+        if name == "torch" and not self.done:
+            SwallowCtrlC.done = True
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+            except BaseException:
+                pass
+        return None
+
+sys.meta_path.insert(0, SwallowCtrlC())
+from divtrace.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_swallowed_by_an_import_still_stops_record(entry, tmp_path):
+    """A Ctrl-C that an import swallows (torch's numpy probe does) used to be lost: the recording went on and
+    exited 0. It is noticed and stops the command before anything is recorded."""
+    script = tmp_path / "swallow.py"
+    script.write_text(SWALLOW)
+    out = tmp_path / "t"
+    p = subprocess.run([sys.executable, str(script), "record", entry, "--out", str(out)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+    _one_line(p.returncode, p.stderr, "interrupted", exit_code=130)
+    assert not out.exists()
