@@ -42,7 +42,6 @@ def record(
 
     from divtrace.entry import parse_args, record_entry
     from divtrace.trace.reader import Trace
-
     from divtrace.trace.writer import check_not_busy
 
     o = Output(json_out)
