@@ -384,3 +384,23 @@ def test_ctrl_c_swallowed_by_an_import_still_stops_record(entry, tmp_path):
                        text=True, cwd=ROOT, timeout=300)
     _one_line(p.returncode, p.stderr, "interrupted", exit_code=130)
     assert not out.exists()
+
+
+def test_plot_cut_short_by_a_full_disk_is_removed(diverging_pair, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from pathlib import Path
+
+    a, b = diverging_pair
+    real = Path.write_bytes
+
+    def write_bytes(self, data):
+        if self.suffix == ".png":
+            real(self, data[:100])  # torn, as a full disk leaves it
+            raise _enospc(str(self))
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", write_bytes)
+    png = tmp_path / "p.png"
+    code, out, err = cli("bisect", a, b, "--plot", png)
+    _one_line(code, err, f"{png}: cannot write", "o space left on device", "the partial file was removed")
+    assert not png.exists() and out == ""

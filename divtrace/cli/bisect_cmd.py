@@ -114,12 +114,23 @@ def bisect(
     if plot is not None or html is not None:
         from divtrace.compare.plot import write_plots
 
+        from divtrace.errors import DivtraceError
         from divtrace.oserrors import cannot_write
 
         try:
             write_plots(a, b, r, png=plot, html=html, path_map=path_map)
-        except OSError as e:
-            raise cannot_write(getattr(e, "filename", None) or plot or html, e, "cannot write the plot") from None
+        except (OSError, DivtraceError) as e:
+            err = e if isinstance(e, DivtraceError) else cannot_write(getattr(e, "filename", None) or plot or html,
+                                                                     e, "cannot write the plot")
+            # A file cut short by a full disk must not pass for the report: remove it and say so.
+            bad = next((p for p in (plot, html) if p is not None and str(err).startswith(f"{p}: ")), None)
+            if bad is not None and bad.is_file():
+                try:
+                    bad.unlink()
+                    err = DivtraceError(f"{err}; the partial file was removed")
+                except OSError:
+                    err = DivtraceError(f"{err}; the partial file {bad} is left: remove it")
+            raise err from None
     if json_out:
         o.json(r.to_dict())
     else:
