@@ -86,6 +86,11 @@ def _value_key(t: Trace, vid: int):
 
 def _first_divergence(ta: Trace, tb: Trace, path_map: PathMap | None):
     r = bisect(ta, tb, path_map=path_map, n_next=0)
+    if r.verdict == "inconclusive":
+        from divtrace.compare.verdict import Inconclusive
+
+        raise Inconclusive(f"{ta.path} and {tb.path}: no divergence found to reproduce, and the comparison is "
+                           f"inconclusive: {r.reason}")
     if r.first is None:
         raise DivtraceError(f"{ta.path} and {tb.path}: no divergence ({r.verdict}: {r.compared} tensor pairs compared, "
                             "all bitwise equal); there is nothing to reproduce")

@@ -18,6 +18,7 @@ import torch
 
 from divtrace.compare.align import PathMap
 from divtrace.errors import DivtraceError
+from divtrace.oserrors import cannot_write, is_write_error
 from divtrace.repro import codegen, seqlen
 from divtrace.repro.region import (RANDOM_OPS, Side, Target, build_side, check_values, common_suffix_start,
                                    find_target, op_short, _value_key)
@@ -260,8 +261,45 @@ def write_repro(a, b, out, *, at: int | None = None, path_map: PathMap | None = 
                 f"({target.tensor}); the common computation after it ({full[0] - len(sides['a'].ops)} ops) is left out")
     check_values(target, sides["a"], sides["b"])
     out = Path(out)
-    _prepare_out(out, overwrite)
-    return _write(out, ta, tb, target, sides, imports)
+    created = not out.exists()
+    try:
+        _prepare_out(out, overwrite)
+        return _write(out, ta, tb, target, sides, imports)
+    except BaseException as e:
+        if not is_write_error(e):
+            raise
+        # A repro cut short by a failed write must not look whole: remove what was written (and the directory,
+        # when this run made it), and say so.
+        removed = _remove_partial(out, created)
+        where = getattr(e, "filename", None) or out
+        raise cannot_write(where, e, "cannot write the repro", removed) from None
+
+
+def _remove_partial(out: Path, created: bool) -> str:
+    """Remove a repro a failed write left half-written; what was done, in words."""
+    if not out.is_dir():
+        return "nothing was written"
+    left = []
+    for name in (*FILES, "__pycache__"):
+        p = out / name
+        try:
+            if p.is_dir():
+                import shutil
+
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+        except OSError:
+            left.append(name)
+    if left:
+        return f"could not remove the partial files {', '.join(left)} in {out}: delete them before using it"
+    if created:
+        try:
+            out.rmdir()
+            return f"the partial directory {out} was removed"
+        except OSError:
+            pass
+    return f"the partial files in {out} were removed"
 
 
 def _sides(ta: Trace, tb: Trace, target: Target) -> dict[str, Side]:
