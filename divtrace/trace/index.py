@@ -17,10 +17,8 @@ from contextlib import contextmanager
 from itertools import chain
 from operator import itemgetter
 
-from divtrace.errors import DivtraceError
 from divtrace.records import ModuleCall
 from divtrace.trace.fields import _DTYPE_INFO, _SHARD_NAME, _dtype_info
-from divtrace.trace.files import META, RECORDS
 
 try:  # the C reader of records.jsonl (optional: built where a C compiler is; see _read_fast)
     from divtrace._index import index_records as _native_index_records
@@ -63,9 +61,6 @@ class IndexBuilding:
             self._defined_at: dict[int, int] = {}
             self._read_reference(raw)
             self._index_objects()
-        want = self.meta.get("records")
-        if "checksums" in self.meta and want is not None and want != len(self.records):
-            raise DivtraceError(f"{self.path / META}: says {want} records, {RECORDS} holds {len(self.records)}")
 
     # Two readers, one result. `_read_reference` checks and builds record by record (`_add`, `_value`,
     # `_link`) and names the first bad line in its error. `_read_fast` makes the same checks on the whole file

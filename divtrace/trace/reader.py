@@ -75,9 +75,11 @@ class Trace(IndexBuilding, ReferenceReader, Integrity, RecordViews, TensorAccess
         self.read_fast = False  # the fast reader built the index (see _read_fast)
         self.read_native = False  # ... and it was the C one
         self.warnings: list[str] = []
+        self.file_problems: list[str] = []  # files of the trace that cannot be read but are not needed to read it
         self._shard_sums: dict[str, str] = {}
         self._reset()
         self._read_records()
+        self.check_meta()  # meta.json against what the records show: a mismatch is a damaged trace
         self._shards: dict[str, object] = {}
         self._shards_verified = False
 
