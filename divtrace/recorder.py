@@ -313,8 +313,10 @@ class Recorder:
         """
         self._token_tracker.declare(ids, positions, seqs)
 
-    def _token_rows(self, vid: int, t: torch.Tensor, root_output: bool = False) -> None:
-        """Fingerprint each token row of a value made in the current root call (see divtrace.tokens.layout)."""
+    def _token_rows(self, vid: int, t: torch.Tensor, root_output: bool = False, alias=None) -> None:
+        """Fingerprint each token row of a value made in the current root call (see divtrace.tokens.layout). A
+        view whose rows hold the same bytes as its source's rows (`alias`: a reshape of a row-major layout, or the
+        [B, T, H, d] <-> [B, H, T, d] transpose) points at the source's fingerprints instead of hashing again."""
         g = self._grid
         self._rowed.add(vid)
         code = token_layout.infer(t.shape, g.shape, g.kv_len, root_output)
@@ -328,6 +330,11 @@ class Recorder:
         if code in (token_layout.AMBIGUOUS, token_layout.CROSS):
             self._token_store.add_rows(vid, g.call_id, code, None)
             return
+        if alias is not None:
+            ref = self._token_store.current.get(alias[0])
+            if ref is not None and token_layout.same_rows(ref[0], code, alias[1], t, g.shape):
+                self._token_store.add_rows_ref(vid, g.call_id, code, ref[1])
+                return
         x = t.transpose(1, 2) if code == "bht" else t
         hashes = contiguous_row_hashes(x, token_layout.row_count(code, g.shape))
         if hashes is None:
@@ -483,6 +490,7 @@ class Recorder:
         # mode: here it still reads 0. What the view will read from then on is its base's version now.
         version = self._version(t)
         base = None
+        alias = None  # (vid, tensor) of an input `t` reads the same bytes of: its token rows may serve `t` too
         if is_view:
             base = self._alias_source(t, inputs)
             if base is not None:
@@ -502,15 +510,20 @@ class Recorder:
                 if e is not None and e[1] == self._version(src) and e[0] not in self._derived:
                     v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
                                    stride=list(t.stride()))
+                    alias = (e[0], src)
                 break
         if v is None and op in DERIVABLE_VIEWS and not t.is_contiguous():
             v = self._derived_view(t, producer, inputs, op, enc_args, enc_kwargs or {})
+            if v is not None and self._grid is not None:
+                src = self._alias_source(t, inputs)
+                e = self._tensors.get(src) if src is not None else None
+                alias = (e[0], src) if e is not None else None
         if v is None:
             v = self.writer.new_value(t, producer=producer)
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
         if self._grid is not None:
-            self._token_rows(v.vid, t)
+            self._token_rows(v.vid, t, alias=alias)
         if op in _FRESH_BUFFERS:
             self._unsettled.add(v.vid)
         elif self._unsettled and base is not None:  # a view of such a buffer sees what is written into it
@@ -708,7 +721,7 @@ class Recorder:
             if root:
                 self._grid = None
                 self._rowed.clear()
-                self._token_store.flush()
+                self._token_store.end_call()
 
     def _exit_call(self, frame, output, root: bool) -> None:
         current = sys.exc_info()[1]

@@ -433,3 +433,28 @@ def test_repro_and_verify_of_a_token_divergence(down_proj_traces, tmp_path):
     assert "PASSED: trials: 20 of 20 random trials bitwise equal" in " ".join(stdout.split())
     rc, stdout, _ = _cli("verify", out)
     assert rc == 1 and "FAILED: trials: 0 of 20" in " ".join(stdout.split())
+
+
+def test_every_stored_row_fingerprint_is_the_row_of_the_stored_tensor(down_proj_traces):
+    """Rows written once and shared by views (reshapes, the heads transpose) and rows hashed anew: each stored
+    fingerprint equals the fingerprint of that row of the tensor the full-mode trace holds."""
+    import json as _json
+
+    from divtrace.tokens import layout, rowhash
+    from divtrace.tokens.store import TokenIndex
+    from divtrace.trace.reader import Trace
+
+    for path in down_proj_traces["full"]:
+        t, idx = Trace(path), TokenIndex(path)
+        meta = _json.loads((path / "meta.json").read_text())["tokens"]
+        assert meta["values_sharing_rows"] > 0 and meta["row_scheme"] == rowhash.ROW_SCHEME
+        checked = 0
+        for vid, (cid, code, off) in idx.index.items():
+            if off < 0 or not t.has_bytes(vid):
+                continue
+            g = idx.grids[cid]
+            want = rowhash.row_hashes(layout.rows_2d(t.tensor(vid), code))
+            got = idx.bin[off:off + layout.row_count(code, g.shape)]
+            assert (want == got).all(), (path.name, vid, code)
+            checked += 1
+        assert checked > 100
