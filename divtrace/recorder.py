@@ -721,7 +721,12 @@ class Recorder:
             if root:
                 self._grid = None
                 self._rowed.clear()
-                self._token_store.end_call()
+                try:
+                    self._token_store.end_call()
+                except OSError as e:  # the trace's own write path reports the disk; tokens stop here, said once
+                    self._tokens_on = False
+                    self.warnings.append(f"token files could not be written ({e.strerror or e}): token identity "
+                                         "stops at this root call, and bisect cannot align the rest by tokens")
 
     def _exit_call(self, frame, output, root: bool) -> None:
         current = sys.exc_info()[1]

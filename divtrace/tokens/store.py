@@ -94,6 +94,9 @@ class TokenStoreWriter:
     def close(self) -> dict:
         try:
             self.flush()
+        except OSError:
+            self._bin.clear(), self._index.clear(), self._tokens.clear()
+            raise
         finally:
             for fd in self._fds.values():
                 os.close(fd)
