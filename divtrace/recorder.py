@@ -214,12 +214,17 @@ class _Frame:
 class Recorder:
     """The context manager returned by `divtrace.record`."""
 
-    def __init__(self, model, path, *, mode="full", ops=True, label=None, include=None, exclude=None,
-                 overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False):
+    def __init__(self, model, path, *, mode="full", ops=None, label=None, include=None, exclude=None,
+                 overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False,
+                 compiled=None):
         if not isinstance(model, torch.nn.Module):
             raise DivtraceError(f"record() needs a torch.nn.Module, got {type(model).__name__}")
         if mode not in ("full", "hash"):
             raise DivtraceError(f"mode must be 'full' or 'hash', got {mode!r}")
+        from divtrace.compiled.session import resolve  # torch.compile: divtrace/compiled, docs/compiled.md
+
+        self.compiled, ops, self._regions = resolve(model, compiled, ops)
+        self._session = None
         self.model, self.path, self.mode, self.ops, self.label = model, path, mode, ops, label
         try:
             self._include = re.compile(include) if include else None
@@ -254,22 +259,28 @@ class Recorder:
             raise DivtraceError("this model is already being recorded; nested record() on one model is not supported")
         first = next(self.model.parameters(), None)  # not list(): that walks every parameter of a big model
         device = str(first.device) if first is not None else "cpu"
-        modules = list(self.model.named_modules())
+        from divtrace.compiled.paths import recorded_modules
+        from divtrace.compiled.session import CompiledSession
+
+        modules = recorded_modules(self.model)  # torch.compile's `_orig_mod.` wrappers left out of the paths
+        self._root = modules[0][1]
+        self._session = CompiledSession(self, modules, self._regions, self.compiled)
         meta = {"label": self.label, "ops": self.ops, "include": self._include_src, "exclude": self._exclude_src,
                 "model_class": type(self.model).__name__, "settings": numerics_settings(), "view_key": VIEW_KEY,
                 "module_tree": [[name, type(m).__name__] for name, m in modules],
-                **run_environment(device), **self._extra_meta}
+                **run_environment(device), **self._session.start_meta(), **self._extra_meta}
+        meta["settings"].update(self._session.settings())
         self.writer = TraceWriter(self.path, mode=self.mode, meta=meta, overwrite=self._overwrite,
                                   shard_bytes=self._shard_bytes, flush_records=self._flush_records,
                                   durable=self._durable)
         _ACTIVE_MODELS.add(id(self.model))
         _ACTIVE.append(self)
-        if any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-               for m in (self.model, *(m for _, m in modules))):
-            self.warnings.append("the model is torch.compile'd: module hooks and the dispatch mode make it run "
-                                 "eagerly while recorded, so this trace is of the eager computation, not of the "
-                                 "compiled kernels")
-        for name, m in modules:
+        if self._regions:
+            self.warnings.append("the model is torch.compile'd: " + (
+                "recorded at module boundaries inside the compiled code (compiled=True); aten ops inside it are not "
+                "visible" if self.compiled else "recorded with compiled=False, so torch.compile was set to "
+                "force_eager inside the block: this trace is of the eager computation, not of the compiled kernels"))
+        for name, m in ([] if self.compiled else modules):  # compiled: the session's taps instead
             # Pre hook first and post hook last: the call spans the module's own hooks, its inputs are what the
             # caller passed and its outputs what the caller receives.
             post = m.register_forward_hook(self._make_post(name), with_kwargs=True, always_call=True)
@@ -279,6 +290,7 @@ class Recorder:
         if self.ops:
             self._mode_obj = _OpMode(self)
             self._mode_obj.__enter__()
+        self._session.start()
         self._install_signals()
         return self
 
@@ -340,6 +352,7 @@ class Recorder:
                 self._mode_obj.__exit__(None, None, None)
         finally:
             self._closing_warnings()
+            compiled_meta = self._session.stop() if self._session is not None else {}
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -362,7 +375,8 @@ class Recorder:
             held, _STATE.deferred = getattr(_STATE, "deferred", None), None
             try:
                 self.writer.close(status, error, warnings=self.warnings,
-                                  unfinished_calls=sum(1 for f in self._stack if f.call_id is not None))
+                                  unfinished_calls=sum(1 for f in self._stack if f.call_id is not None),
+                                  **compiled_meta)
             finally:
                 for sig, mine in self._my_handlers.items():
                     mine.divtrace_active = False
@@ -586,8 +600,19 @@ class Recorder:
         _owners().append(token)
         self._stack.append(_Frame(call_id, module, excluded, sys.exc_info()[1], token))
 
-    def _enter(self, path, module, args, kwargs):
-        if module is self.model and self._stack:
+    def _tap_enter(self, path, module, flat) -> None:
+        """A module call seen by a compiled-code tap (divtrace.compiled): `flat` is its inputs' (key, tensor)."""
+        if not _busy() and not self.writer.failed:
+            with _BUSY:
+                self._enter(path, module, None, None, flat)
+
+    def _tap_exit(self, module, flat) -> None:
+        if not _busy() and not self.writer.failed:
+            with _BUSY:
+                self._exit(module, None, flat)
+
+    def _enter(self, path, module, args, kwargs, flat=None):
+        if module is self._root and self._stack:
             # A new call of the root while calls are open: they were left by an interrupt the caller caught.
             while self._stack:
                 self._pop()
@@ -606,7 +631,9 @@ class Recorder:
         self._next_call_id += 1
         values: list = []
         pairs = []
-        for key, t in flatten_tensors(args, "args", []) + flatten_tensors(kwargs, "kwargs", []):
+        if flat is None:
+            flat = flatten_tensors(args, "args", []) + flatten_tensors(kwargs, "kwargs", [])
+        for key, t in flat:
             t = self._plain(t, path or "<root>")
             if t is not None:
                 pairs.append((key, self._vid_of(t, values, boundary=True)))
@@ -614,7 +641,7 @@ class Recorder:
         self._push(call_id, module, False)
         self.writer.append(rec, values)
 
-    def _exit(self, module, output):
+    def _exit(self, module, output, flat=None):
         depth = next((i for i in range(len(self._stack) - 1, -1, -1) if self._stack[i].module is module), None)
         if depth is None:
             return  # its pre hook did not run (the call began before recording, or while busy)
@@ -632,7 +659,7 @@ class Recorder:
             return
         values: list = []
         pairs = []
-        for key, t in flatten_tensors(output, "out", []):
+        for key, t in (flatten_tensors(output, "out", []) if flat is None else flat):
             t = self._plain(t, "output")
             if t is not None:
                 pairs.append((key, self._vid_of(t, values, boundary=True)))
@@ -781,8 +808,8 @@ class _OpMode(TorchDispatchMode):
         return self.recorder.on_op(func, args, kwargs or {})
 
 
-def record(model, path, *, mode="full", ops=True, label=None, include=None, exclude=None, overwrite=False,
-           shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False) -> Recorder:
+def record(model, path, *, mode="full", ops=None, label=None, include=None, exclude=None, overwrite=False,
+           shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False, compiled=None) -> Recorder:
     """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
 
     `flush_records` bounds how many records may be lost if the process is killed (they are written in
@@ -802,4 +829,4 @@ def record(model, path, *, mode="full", ops=True, label=None, include=None, excl
     """
     return Recorder(model, path, mode=mode, ops=ops, label=label, include=include, exclude=exclude,
                     overwrite=overwrite, shard_bytes=shard_bytes, extra_meta=extra_meta,
-                    flush_records=flush_records, durable=durable)
+                    flush_records=flush_records, durable=durable, compiled=compiled)

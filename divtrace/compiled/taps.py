@@ -1,0 +1,77 @@
+"""The tap: an opaque custom op that torch.compile keeps in the compiled graph and that hands a module's inputs or
+outputs, as the compiled code computed them, to the recorder when it runs.
+
+`divtrace::tap(clock, xs, keys, session, path, event)` returns nothing and declares that it writes `clock`, one
+small tensor shared by every tap. That declaration is what makes the compiled code keep it and keep every tap in
+program order: a write to a graph input is never removed, and two writes to one tensor are never reordered.
+(Inductor does not keep ops registered as ORDERED effects in order among themselves in torch 2.13: seen, a
+module's exit tap ran before its enter tap.) The op does not write `xs`, so it does not make Inductor keep a
+tensor alive or materialize it where the unrecorded graph would not read it; it does read `xs`, so Inductor
+materializes each tapped value once (in a buffer that the next kernels then read), which is the value recorded.
+
+The op is tagged `cudagraph_unsafe`: Inductor's CUDA graphs never capture it (a replay would skip it), and
+partition the graph around it instead where they can.
+
+`keys` (the tensors' keys joined by SEP), `session`, `path` and `event` are constants baked into the compiled graph; at run time the op looks up
+the recording session by its number. A tap whose session has ended (compiled code kept from an earlier
+recording) does nothing.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_LOCK = threading.Lock()
+_OP = None
+CLOCK: torch.Tensor | None = None
+SESSIONS: dict = {}  # session number -> the CompiledSession that taps report to
+
+
+SEP = "\x1f"  # joins the keys into one str argument (custom ops take no list of str)
+
+
+def _dispatch(xs, keys, session, path, event) -> None:
+    s = SESSIONS.get(session)
+    if s is not None:
+        s.on_tap(path, event, list(zip(keys.split(SEP) if keys else [], xs)))
+
+
+def tap_op():
+    """torch.ops.divtrace.tap.default, registered on first use (importing divtrace stays light)."""
+    global _OP, CLOCK
+    if _OP is not None:
+        return _OP
+    with _LOCK:
+        if _OP is None:
+            from torch.library import custom_op
+
+            @custom_op("divtrace::tap", mutates_args=("clock",), tags=(torch.Tag.cudagraph_unsafe,))
+            def tap(clock: torch.Tensor, xs: list[torch.Tensor], keys: str, session: int, path: str,
+                    event: str) -> None:
+                _dispatch(xs, keys, session, path, event)
+
+            @tap.register_fake
+            def _(clock, xs, keys, session, path, event):
+                return None
+
+            CLOCK = torch.zeros(1, dtype=torch.int64)
+            _OP = torch.ops.divtrace.tap.default
+    return _OP
+
+
+def flatten(obj, prefix: str, out: list, depth: int = 0) -> list:
+    """(key, tensor) pairs of a nested structure, keyed as the eager recorder keys them (recorder.flatten_tensors)
+    for tuples, lists and dicts (HF ModelOutput is a dict). Kept to what torch.compile traces without a graph
+    break: dataclasses that are not dicts are not looked into."""
+    if isinstance(obj, torch.Tensor):
+        out.append((prefix, obj))
+    elif depth >= 8 or obj is None or isinstance(obj, (int, float, str, bool)):
+        pass
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            flatten(v, f"{prefix}.{k}", out, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            flatten(v, f"{prefix}.{i}", out, depth + 1)
+    return out
