@@ -1,6 +1,195 @@
-"""Which Inductor kernel computed a tapped value (filled in below)."""
+"""Which Inductor kernel computed a tapped value: read from the code Inductor generated.
+
+A tap runs from the `call` function of the Python module Inductor wrote (its wrapper code). That module names each
+kernel it launches, says above each launch which FX nodes and aten ops it fuses ("# Topologically Sorted Source
+Nodes: [...], Original ATen: [...]"), and passes buffers by name; a kernel's parameters say which of them it
+writes (out_ptr*, in_out_ptr*). So the kernel that last wrote a tapped buffer before the tap line is the one
+that computed the tapped value. Read once per generated file and tap line; anything not understood gives no
+answer rather than a wrong one.
+"""
 from __future__ import annotations
 
+import re
 
-def producer_kernels(frame, keys):
+_CACHE: dict = {}
+_DEF = re.compile(r"^(\w+) = async_compile\.(\w+)\(")
+_BUF = re.compile(r"\b(buf\d+|arg\d+_\d+)\b")
+_SOURCE = re.compile(r"# Topologically Sorted Source Nodes: \[(.*?)\], Original ATen: \[(.*?)\]")
+
+
+def split_args(s: str) -> list[str]:
+    """Top-level comma split of an argument list."""
+    out, depth, cur, quote = [], 0, [], None
+    for ch in s:
+        if quote:
+            cur.append(ch)
+            if ch == quote:
+                quote = None
+            continue
+        if ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+            continue
+        cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return out
+
+
+def _call_args(line: str, start: int) -> str | None:
+    """The text between the parenthesis at `start` and its match."""
+    depth = 0
+    for i in range(start, len(line)):
+        if line[i] == "(":
+            depth += 1
+        elif line[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return line[start + 1:i]
     return None
+
+
+def _kernel_params(lines: list[str]) -> dict[str, list[str]]:
+    """kernel name -> its parameter names, from the kernel definitions (C++ `kernel(...)`, Triton `def`)."""
+    params: dict[str, list[str]] = {}
+    i = 0
+    while i < len(lines):
+        m = _DEF.match(lines[i])
+        if m:
+            name = m.group(1)
+            for j in range(i + 1, min(i + 400, len(lines))):
+                line = lines[j]
+                k = line.find("kernel(") if "extern \"C\"" in line or line.lstrip().startswith("extern") else -1
+                if k < 0 and line.lstrip().startswith(f"def {name}("):
+                    k = line.find("(") - len("kernel")
+                if k >= 0:
+                    text = line[k + len("kernel"):]
+                    j2 = j
+                    while text.count("(") > text.count(")") and j2 + 1 < len(lines):
+                        j2 += 1
+                        text += lines[j2]
+                    args = _call_args(text, text.find("("))
+                    if args is not None:
+                        params[name] = [a.split(":")[0].split()[-1].lstrip("*") if a.split(":")[0].split() else a
+                                        for a in split_args(args)]
+                    i = j
+                    break
+        i += 1
+    return params
+
+
+def _writes(params: list[str]) -> list[int]:
+    return [i for i, p in enumerate(params) if p.startswith("out_ptr") or p.startswith("in_out_ptr")]
+
+
+def _first_buf(arg: str) -> str | None:
+    m = _BUF.search(arg)
+    return m.group(1) if m else None
+
+
+def _analyze(path: str) -> dict:
+    """tap line number -> [producer info or None per tapped tensor], for one generated module."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    params = _kernel_params(lines)
+    out: dict[int, list] = {}
+    producer: dict[str, dict] = {}
+    alias: dict[str, str] = {}
+    source = None
+    in_call = False
+    for no, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if raw.startswith("    def call(") or raw.startswith("def call("):
+            in_call, producer, alias, source = True, {}, {}, None
+            continue
+        if not in_call:
+            continue
+        m = _SOURCE.search(line)
+        if m:
+            source = {"source_nodes": [s.strip() for s in m.group(1).split(",") if s.strip()],
+                      "aten": [s.strip() for s in m.group(2).split(",") if s.strip()]}
+            continue
+        if "divtrace.tap" in line:
+            k = line.find("(")
+            args = split_args(_call_args(line, k) or "")
+            if len(args) >= 2 and args[1].startswith("["):
+                bufs = [_first_buf(a) for a in split_args(args[1][1:-1])]
+                out[no] = [producer.get(_root(alias, b)) if b else None for b in bufs]
+            source = None
+            continue
+        if line.startswith("del ") or line.startswith("#") or not line:
+            continue
+        m = re.match(r"^(buf\d+) = (buf\d+)(?:\[\d+\])?(?:;|$)", line)  # reuse, or an item of a fallback's tuple
+        if m:
+            if "# reuse" not in line:
+                alias[m.group(1)] = m.group(2)
+            continue
+        m = re.match(r"^(buf\d+) = reinterpret_tensor\((buf\d+|arg\d+_\d+),", line)
+        if m:
+            if "# alias" in line:
+                alias[m.group(1)] = m.group(2)
+            continue
+        m = re.match(r"^(buf\d+) = (torch\.ops\.[\w.]+|extern_kernels\.\w+)\(", line)
+        if m:  # a fallback op (not generated code) that returns its result
+            producer[m.group(1)] = {"kernel": m.group(2), **(source or {})}
+            source = None
+            continue
+        m = re.match(r"^(extern_kernels\.\w+|torch\.ops\.[\w.]+)\((.*)\)$", line)
+        if m:
+            outs = re.findall(r"\bout=(buf\d+)", line)
+            for b in outs:
+                producer[_root(alias, b)] = {"kernel": m.group(1), **(source or {})}
+            source = None
+            continue
+        m = re.match(r"^(\w+?)(\.run)?\(", line)
+        if m and m.group(1) in params:
+            name = m.group(1)
+            args = split_args(_call_args(line, line.find("(")) or "")
+            for i in _writes(params[name]):
+                if i < len(args):
+                    b = _first_buf(args[i])
+                    if b:
+                        producer[_root(alias, b)] = {"kernel": name, **(source or {})}
+            source = None
+    return out
+
+
+def _root(alias: dict, b: str) -> str:
+    seen = 0
+    while b in alias and seen < 100:
+        b, seen = alias[b], seen + 1
+    return b
+
+
+def producer_kernels(frame, keys: list[str]) -> dict | None:
+    """{key: {"kernel", "source_nodes", "aten"}} for the tensors a tap called from generated code hands over
+    (graph inputs and values the generated code did not compute are left out); None when the tap did not run
+    from Inductor's generated code."""
+    f, depth = frame, 0
+    while f is not None and depth < 40:
+        g = f.f_globals
+        if f.f_code.co_name == "call" and ("reinterpret_tensor" in g or "extern_kernels" in g):
+            break
+        f, depth = f.f_back, depth + 1
+    else:
+        return None
+    if f is None:
+        return None
+    path = f.f_code.co_filename
+    try:
+        table = _CACHE.get(path)
+        if table is None:
+            table = _CACHE[path] = _analyze(path)
+        found = table.get(f.f_lineno)
+    except Exception:  # another torch's generated code: no answer rather than a wrong one
+        return None
+    if not found:
+        return None
+    res = {k: p for k, p in zip(keys, found) if p}
+    return res or None
