@@ -388,6 +388,9 @@ class Recorder:
                 self._my_handlers.clear()
             if held is not None and exc_type is None:
                 raise held
+        why = self._session.compile_failure(exc) if self._session is not None and exc is not None else None
+        if why:
+            raise DivtraceError(why) from None  # (the trace is closed and marked as failed)
         return False
 
     # values -----------------------------------------------------------------------------------------------

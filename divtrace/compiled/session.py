@@ -104,7 +104,7 @@ class CompiledSession:
                             "unique_graphs": counters["stats"].get("unique_graphs", 0),
                             "compile_s": _compile_seconds()}
             self._install_guard_hook()
-        elif self.regions:
+        if not self.compiled and self.regions:
             import torch
 
             self._stance = torch.compiler.set_stance("force_eager")
@@ -146,6 +146,18 @@ class CompiledSession:
                               "with compiled=True")
         unseen += self._regions_without_calls()
         return {"compiled": info, "unseen": unseen}
+
+    def compile_failure(self, exc) -> str | None:
+        """One line for an exception torch.compile raised inside a compiled=True block (compiling the model with
+        the taps failed, or fullgraph=True met a graph break), with what works instead; None for anything else."""
+        if not self.compiled:
+            return None
+        mod = type(exc).__module__ or ""
+        if not (mod.startswith("torch._dynamo") or mod.startswith("torch._inductor")):
+            return None
+        msg = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        return (f"compiling the model with divtrace's taps failed ({type(exc).__name__}: {msg}); record it eagerly "
+                "with compiled=False (--no-compiled), or compile it without fullgraph=True if a tap broke the graph")
 
     def _notes(self) -> list[str]:
         notes = ["module inputs and outputs are the compiled code's values: each tapped value is the buffer "
