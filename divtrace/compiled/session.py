@@ -165,10 +165,9 @@ class CompiledSession:
         low = any(str(getattr(p, "dtype", "")) in ("torch.float16", "torch.bfloat16")
                   for m in list(self.modules.values())[:1] for p in m.parameters())
         if low:
-            notes.append("low precision model: a tap makes Inductor store a module's output in its dtype where the "
-                         "unrecorded compiled code may keep a fused intermediate in float32, so the recorded run can "
-                         "differ from the unrecorded one; compare the final outputs with an unrecorded run (or set "
-                         "emulate_precision_casts) to rule this out")
+            notes.append("16-bit floats are handed to the taps as float32 copies stored back in their dtype, so a "
+                         "tap does not make Inductor round a fused intermediate it keeps in float32; if the "
+                         "recorded final output still differs from an unrecorded run's, a tap changed the fusion")
         if any((r.get("options") or {}).get("triton.cudagraphs") for r in self.regions) or \
                 (self._dynamo is not None and _inductor_cfg("triton.cudagraphs")):
             notes.append("CUDA graphs: taps are cudagraph-unsafe, so Inductor ran the recorded graphs split around "
@@ -222,6 +221,7 @@ class CompiledSession:
     def _install_hooks(self) -> None:
         op = taps.tap_op()
         flatten = taps.flatten
+        hand_over = taps.hand_over
         sid = self.sid
         import torch
 
@@ -231,14 +231,14 @@ class CompiledSession:
             def pre(module, args, kwargs, path=path):
                 flat = flatten(args, "args", []) + flatten(kwargs, "kwargs", [])
                 if compiling():
-                    op(taps.CLOCK, [t for _, t in flat], taps.SEP.join([k for k, _ in flat]), sid, path, "enter")
+                    op(taps.CLOCK, *hand_over(flat), sid, path, "enter")
                 else:
                     self.on_tap(path, "enter", flat)
 
             def post(module, args, kwargs, output, path=path):
                 flat = flatten(output, "out", [])
                 if compiling():
-                    op(taps.CLOCK, [t for _, t in flat], taps.SEP.join([k for k, _ in flat]), sid, path, "exit")
+                    op(taps.CLOCK, *hand_over(flat), sid, path, "exit")
                 else:
                     self.on_tap(path, "exit", flat)
 

@@ -31,10 +31,38 @@ SESSIONS: dict = {}  # session number -> the CompiledSession that taps report to
 SEP = "\x1f"  # joins the keys into one str argument (custom ops take no list of str)
 
 
+CAST = "\x1e"  # key CAST dtype: the value was handed over as float32 and is stored back in that dtype
+_LOW = (torch.bfloat16, torch.float16)
+
+
 def _dispatch(xs, keys, session, path, event) -> None:
     s = SESSIONS.get(session)
-    if s is not None:
-        s.on_tap(path, event, list(zip(keys.split(SEP) if keys else [], xs)))
+    if s is None:
+        return
+    flat = []
+    for k, x in zip(keys.split(SEP) if keys else [], xs):
+        if CAST in k:
+            k, dt = k.split(CAST, 1)
+            x = x.to(getattr(torch, dt))  # rounds as Inductor's store of the value in its own dtype does
+        flat.append((k, x))
+    s.on_tap(path, event, flat)
+
+
+def hand_over(flat: list) -> tuple[list, str]:
+    """The tensors and joined keys a tap takes, inside traced code. A 16-bit float value is handed over as
+    float32 (`x.float()`), so the tap reads a new buffer and not the value itself: Inductor then keeps the
+    value in a fused kernel's float32 registers where the unrecorded graph does (forcing it into a buffer of
+    its own dtype would round it there, and change what the next kernel computes). The tap stores it back in
+    its dtype, which rounds as storing the value does."""
+    ts, ks = [], []
+    for k, t in flat:
+        if t.dtype in _LOW:
+            ts.append(t.float())
+            ks.append(k + CAST + str(t.dtype).removeprefix("torch."))
+        else:
+            ts.append(t)
+            ks.append(k)
+    return ts, SEP.join(ks)
 
 
 def tap_op():
