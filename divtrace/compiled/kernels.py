@@ -94,19 +94,29 @@ def _first_buf(arg: str) -> str | None:
 
 
 def _analyze(path: str) -> dict:
-    """tap line number -> [producer info or None per tapped tensor], for one generated module."""
+    """tap line number -> (producers, tokens, last): per tapped tensor, the kernel that computed it (or None),
+    and a token that two taps of one run of `call` share exactly when they hand over the same bytes (the same
+    argument text, and the buffer not written in between); `last` holds the tokens no later tap uses. Any line
+    not understood counts as writing every buffer it names, so a token is never shared wrongly."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     params = _kernel_params(lines)
-    out: dict[int, list] = {}
+    out: dict[int, tuple] = {}
     producer: dict[str, dict] = {}
     alias: dict[str, str] = {}
+    version: dict[str, int] = {}  # root buffer -> line of its last (possible) write
     source = None
     in_call = False
+    last_use: dict = {}
+
+    def written(text: str, no: int) -> None:
+        for b in _BUF.findall(text):
+            version[_root(alias, b)] = no
+
     for no, raw in enumerate(lines, 1):
         line = raw.strip()
         if raw.startswith("    def call(") or raw.startswith("def call("):
-            in_call, producer, alias, source = True, {}, {}, None
+            in_call, producer, alias, version, source = True, {}, {}, {}, None
             continue
         if not in_call:
             continue
@@ -118,26 +128,39 @@ def _analyze(path: str) -> dict:
         if "divtrace.tap" in line:
             k = line.find("(")
             args = split_args(_call_args(line, k) or "")
-            if len(args) >= 2 and args[1].startswith("["):
-                bufs = [_first_buf(a) for a in split_args(args[1][1:-1])]
-                out[no] = [producer.get(_root(alias, b)) if b else None for b in bufs]
+            if len(args) >= 2 and args[1].startswith("[") and args[1].endswith("]"):
+                items = split_args(args[1][1:-1])
+                bufs = [_first_buf(a) for a in items]
+                roots = [_root(alias, b) if b else None for b in bufs]
+                tokens = [(a, r, version.get(r, 0)) if r else None for a, r in zip(items, roots)]
+                out[no] = ([producer.get(r) if r else None for r in roots], tokens, set())
+                for t in tokens:
+                    if t is not None:
+                        last_use[t] = no
+            else:
+                written(line, no)
             source = None
             continue
-        if line.startswith("del ") or line.startswith("#") or not line:
+        if line.startswith("del ") or line.startswith("#") or not line or line.startswith("assert_"):
             continue
         m = re.match(r"^(buf\d+) = (buf\d+)(?:\[\d+\])?(?:;|$)", line)  # reuse, or an item of a fallback's tuple
         if m:
             if "# reuse" not in line:
                 alias[m.group(1)] = m.group(2)
+            else:
+                version[m.group(1)] = no
             continue
         m = re.match(r"^(buf\d+) = reinterpret_tensor\((buf\d+|arg\d+_\d+),", line)
         if m:
             if "# alias" in line:
                 alias[m.group(1)] = m.group(2)
+            else:
+                version[m.group(1)] = no
             continue
         m = re.match(r"^(buf\d+) = (torch\.ops\.[\w.]+|extern_kernels\.\w+)\(", line)
         if m:  # a fallback op (not generated code) that returns its result
             producer[m.group(1)] = {"kernel": m.group(2), **(source or {})}
+            written(line, no)  # (it may also write its arguments)
             source = None
             continue
         m = re.match(r"^(extern_kernels\.\w+|torch\.ops\.[\w.]+)\((.*)\)$", line)
@@ -145,6 +168,7 @@ def _analyze(path: str) -> dict:
             outs = re.findall(r"\bout=(buf\d+)", line)
             for b in outs:
                 producer[_root(alias, b)] = {"kernel": m.group(1), **(source or {})}
+            written(line, no)
             source = None
             continue
         m = re.match(r"^(\w+?)(\.run)?\(", line)
@@ -156,8 +180,38 @@ def _analyze(path: str) -> dict:
                     b = _first_buf(args[i])
                     if b:
                         producer[_root(alias, b)] = {"kernel": name, **(source or {})}
+                        version[_root(alias, b)] = no
             source = None
+            continue
+        written(line, no)  # anything else: every buffer it names may have changed
+    for t, no in last_use.items():
+        out[no][2].add(t)
     return out
+
+
+def tap_site(frame):
+    """(generated file, line) of the tap call in Inductor's generated `call` that `frame` runs under, or None."""
+    f, depth = frame, 0
+    while f is not None and depth < 40:
+        if f.f_code.co_name == "call" and ("reinterpret_tensor" in f.f_globals or "extern_kernels" in f.f_globals):
+            return f.f_code.co_filename, f.f_lineno
+        f, depth = f.f_back, depth + 1
+    return None
+
+
+def site_info(site):
+    """_analyze's entry for a tap site, or None."""
+    if site is None:
+        return None
+    path, line = site
+    try:
+        table = _CACHE.get(path)
+        if table is None:
+            table = _CACHE[path] = _analyze(path)
+        return table.get(line)
+    except Exception:  # another torch's generated code: no answer rather than a wrong one
+        _CACHE[path] = {}
+        return None
 
 
 def _root(alias: dict, b: str) -> str:
@@ -167,29 +221,10 @@ def _root(alias: dict, b: str) -> str:
     return b
 
 
-def producer_kernels(frame, keys: list[str]) -> dict | None:
-    """{key: {"kernel", "source_nodes", "aten"}} for the tensors a tap called from generated code hands over
-    (graph inputs and values the generated code did not compute are left out); None when the tap did not run
-    from Inductor's generated code."""
-    f, depth = frame, 0
-    while f is not None and depth < 40:
-        g = f.f_globals
-        if f.f_code.co_name == "call" and ("reinterpret_tensor" in g or "extern_kernels" in g):
-            break
-        f, depth = f.f_back, depth + 1
-    else:
+def producer_kernels(info, keys: list[str]) -> dict | None:
+    """{key: {"kernel", "source_nodes", "aten"}} for the tensors a tap hands over (graph inputs and values the
+    generated code did not compute left out), from its site_info; None when unknown."""
+    if not info:
         return None
-    if f is None:
-        return None
-    path = f.f_code.co_filename
-    try:
-        table = _CACHE.get(path)
-        if table is None:
-            table = _CACHE[path] = _analyze(path)
-        found = table.get(f.f_lineno)
-    except Exception:  # another torch's generated code: no answer rather than a wrong one
-        return None
-    if not found:
-        return None
-    res = {k: p for k, p in zip(keys, found) if p}
+    res = {k: p for k, p in zip(keys, info[0]) if p}
     return res or None

@@ -65,6 +65,7 @@ class CompiledSession:
         self._dynamo = None
         self._before: dict = {}
         self._t_first: float | None = None
+        self._runs: dict = {}  # generated file -> [last tap line, {token: tensor handed over}]
 
     # -- meta -----------------------------------------------------------------------------------------------
     def settings(self) -> dict:
@@ -115,6 +116,7 @@ class CompiledSession:
             h.remove()
         self.handles.clear()
         taps.SESSIONS.pop(self.sid, None)
+        self._runs.clear()
         if self._stance is not None:
             self._stance.__exit__(None, None, None)
             self._stance = None
@@ -247,21 +249,46 @@ class CompiledSession:
             self.handles += (pre_h, post_h)
 
     def on_tap(self, path: str, event: str, flat: list) -> None:
-        """A tap ran (inside compiled code, or eagerly): record the module's enter or exit."""
+        """A tap ran (inside compiled code, or eagerly): record the module's enter or exit.
+
+        Inside generated code, a tensor that an earlier tap of the same run of the graph handed over, unchanged
+        since (kernels.site_info's tokens), is handed to the recorder as the tensor object it got then: the
+        recorder knows it and does not hash it again (a module's output is the next module's input)."""
+        from divtrace.compiled.kernels import producer_kernels, site_info, tap_site
+
         self.taps_run += 1
         module = self.modules.get(path)
         if module is None:
             return
+        site = tap_site(sys._getframe(1))
+        info = site_info(site)
+        if info is not None and len(info[1]) == len(flat):
+            file, line = site
+            state = self._runs.get(file)
+            if state is None or line <= state[0]:  # the graph's code runs straight through: a new run of it
+                state = self._runs[file] = [line, {}]
+            state[0] = line
+            held = state[1]
+            for i, tok in enumerate(info[1]):
+                if tok is None:
+                    continue
+                prev = held.get(tok)
+                if prev is not None and prev.shape == flat[i][1].shape and prev.dtype == flat[i][1].dtype:
+                    flat[i] = (flat[i][0], prev)
+                else:
+                    held[tok] = flat[i][1]
         if event == "enter":
             self.rec._tap_enter(path, module, flat)
         else:
             if path not in self.kernels and len(self.kernels) < 10000:
-                from divtrace.compiled.kernels import producer_kernels
-
-                info = producer_kernels(sys._getframe(1), [k for k, _ in flat])
-                if info is not None:
-                    self.kernels[path] = info
+                k = producer_kernels(info, [k for k, _ in flat])
+                if k is not None:
+                    self.kernels[path] = k
             self.rec._tap_exit(module, flat)
+        if info is not None and site is not None and site[0] in self._runs:
+            held = self._runs[site[0]][1]
+            for tok in info[2]:  # no later tap of this run hands it over: let the buffer go
+                held.pop(tok, None)
 
 
 def _compile_seconds() -> float:
