@@ -206,3 +206,82 @@ def test_cli_record_compiled(tmp_path):
     p = subprocess.run([sys.executable, "-m", "divtrace", "record", f"{entry}:build", "--out", str(tmp_path / "e"),
                         "--mode", "hash", "--no-compiled"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and _meta(tmp_path / "e")["compiled"]["recorded"] == "eager", p.stderr
+
+
+def test_values_written_in_place_by_compiled_kernels_are_recorded_as_written(tmp_path):
+    """Inductor writes the ReLU into the buffer of the Linear's output (in place, without moving torch's version
+    counter), and the taps get the same tensor object before and after: the ReLU's output was recorded as its
+    input. And a module's output that the next module's enter tap reads unchanged is hashed once."""
+    torch.manual_seed(2)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.ReLU())
+    x = torch.randn(4, 16)
+    from divtrace.trace.writer import TraceWriter
+
+    hashed = []
+    new_value = TraceWriter.new_value
+
+    def counting(self, t, *a, **k):
+        hashed.append(t.shape)
+        return new_value(self, t, *a, **k)
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TraceWriter, "new_value", counting)
+        c = torch.compile(m)
+        with divtrace.record(c, tmp_path / "comp", mode="full"):
+            c(x)
+            c(x)
+        n_shared = len(hashed)
+        import divtrace.compiled.kernels as kernels
+
+        mp.setattr(kernels, "site_info", lambda site: None)  # no value shared between taps
+        with divtrace.record(c, tmp_path / "plain", mode="hash"):
+            c(x)
+            c(x)
+    from divtrace.trace.reader import Trace
+
+    t = Trace(tmp_path / "comp")
+    by = {(c.module, c.call): c for c in t.calls.values()}
+    for call in (0, 1):
+        relu = by[("2", call)]
+        assert torch.equal(t.tensor(relu.outputs[0][1]), torch.relu(t.tensor(relu.inputs[0][1])))
+        assert by[("0", call)].outputs[0][1] == by[("1", call)].inputs[0][1]  # hashed once
+    assert n_shared < len(hashed) - n_shared
+    r = divtrace.bisect(tmp_path / "comp", tmp_path / "plain")
+    assert r.verdict == "identical" and r.unmatched == {"a": 0, "b": 0}
+
+
+GENERATED = '''
+cpp_fused_relu_0 = async_compile.cpp_pybinding(['float*', 'const float*'], r\'\'\'
+extern "C"  void  kernel(float* out_ptr0,
+                       const float* in_ptr0)
+{}
+\'\'\')
+class Runner:
+    def call(self, args):
+        arg0_1, = args
+        buf0 = empty_strided_cpu((4, 16), (16, 1), torch.float32)
+        extern_kernels.mm(arg0_1, arg0_1, out=buf0)
+        torch.ops.divtrace.tap.default(arg2_1, [buf0], 'a', 'a', 1, '0', 'exit')
+        torch.ops.divtrace.tap.default(arg2_1, [buf0], 'a', 'a', 1, '1', 'enter')
+        some_new_launcher(buf0, stream=0)
+        torch.ops.divtrace.tap.default(arg2_1, [buf0], 'a', 'a', 1, '1', 'exit')
+        buf1 = empty_strided_cpu((4, 16), (16, 1), torch.float32)
+        cpp_fused_relu_0(buf1, buf0)
+        torch.ops.divtrace.tap.default(arg2_1, [buf1, buf0], 'a', 'a', 1, '2', 'exit')
+        return (buf1, )
+'''
+
+
+def test_generated_code_reading_never_shares_a_value_across_a_line_it_does_not_understand(tmp_path):
+    from divtrace.compiled.kernels import _analyze
+
+    p = tmp_path / "gen.py"
+    p.write_text(GENERATED)
+    lines = {i + 1: line for i, line in enumerate(GENERATED.splitlines())}
+    taps = sorted(no for no, line in lines.items() if "divtrace.tap" in line)
+    t = _analyze(str(p))
+    assert t[taps[0]][1] == t[taps[1]][1]  # nothing between: one value
+    assert t[taps[1]][1] != t[taps[2]][1]  # an unknown launcher may have written buf0
+    assert t[taps[3]][1][1] == t[taps[2]][1][0]  # the relu kernel only reads buf0 (const in_ptr0)
+    assert t[taps[0]][0][0]["kernel"] == "extern_kernels.mm" and t[taps[3]][0][0]["kernel"] == "cpp_fused_relu_0"
+    assert t[taps[1]][1][0] in t[taps[1]][2]  # released after its last tap

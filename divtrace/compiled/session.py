@@ -248,19 +248,22 @@ class CompiledSession:
             pre_h = m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
             self.handles += (pre_h, post_h)
 
-    def on_tap(self, path: str, event: str, flat: list) -> None:
-        """A tap ran (inside compiled code, or eagerly): record the module's enter or exit.
+    def on_tap(self, path: str, event: str, flat: list, in_graph: bool = False) -> None:
+        """A tap ran: record the module's enter or exit. `in_graph`: it ran from compiled code.
 
-        Inside generated code, a tensor that an earlier tap of the same run of the graph handed over, unchanged
-        since (kernels.site_info's tokens), is handed to the recorder as the tensor object it got then: the
-        recorder knows it and does not hash it again (a module's output is the next module's input)."""
+        Compiled code writes its buffers without moving torch's version counters (a kernel may even write the
+        result in place of its input), so inside compiled code the tensor object a tap gets says nothing about
+        its bytes: each is handed to the recorder as a fresh alias (hashed anew), except where the generated
+        code shows an earlier tap of the same run of the graph handed over the same bytes (kernels.site_info's
+        tokens: the same argument, no write in between). That one is handed over as the object the recorder
+        got then, so it is not hashed again (a module's output is the next module's input)."""
         from divtrace.compiled.kernels import producer_kernels, site_info, tap_site
 
         self.taps_run += 1
         module = self.modules.get(path)
         if module is None:
             return
-        site = tap_site(sys._getframe(1))
+        site = tap_site(sys._getframe(1)) if in_graph else None
         info = site_info(site)
         if info is not None and len(info[1]) == len(flat):
             file, line = site
@@ -270,13 +273,16 @@ class CompiledSession:
             state[0] = line
             held = state[1]
             for i, tok in enumerate(info[1]):
-                if tok is None:
-                    continue
-                prev = held.get(tok)
-                if prev is not None and prev.shape == flat[i][1].shape and prev.dtype == flat[i][1].dtype:
-                    flat[i] = (flat[i][0], prev)
+                key, x = flat[i]
+                prev = held.get(tok) if tok is not None else None
+                if prev is not None and prev.shape == x.shape and prev.dtype == x.dtype:
+                    flat[i] = (key, prev)
                 else:
-                    held[tok] = flat[i][1]
+                    flat[i] = (key, x.detach())
+                    if tok is not None:
+                        held[tok] = flat[i][1]
+        elif in_graph:
+            flat = [(k, x.detach()) for k, x in flat]
         if event == "enter":
             self.rec._tap_enter(path, module, flat)
         else:
