@@ -145,6 +145,24 @@ def test_compiled_false_records_the_eager_code_that_ran(tmp_path):
     assert [n for n, _ in meta["module_tree"]] == ["", "up", "down"]  # no _orig_mod
 
 
+def test_a_graph_compiled_for_a_twin_without_taps_is_not_reused(tmp_path):
+    """Dynamo reuses a graph across instances of one class and by default does not guard on hooks: a twin
+    compiled inside the block made the recorded model run the twin's graph, with no tap."""
+    import copy
+
+    m = MLP()
+    twin = copy.deepcopy(m)
+    c, plain = torch.compile(m), torch.compile(twin)
+    x = torch.randn(4, 16)
+    with torch.no_grad(), divtrace.record(c, tmp_path / "t", mode="hash") as rec:
+        plain(x)
+        c(x)
+    meta = _meta(tmp_path / "t")
+    assert meta["unseen"] == [] and meta["compiled"]["taps_run"] == 6
+    assert {k for k in rec._calls} == {"", "up", "down"}
+    assert torch._dynamo.config.skip_nnmodule_hook_guards  # restored
+
+
 def test_compiled_code_that_ran_without_hooks_is_unseen(tmp_path):
     """`model` is recorded but its torch.compile'd copy is what runs: the compiled code was built before the hooks
     existed and never runs them. The trace must say so, not hold a root call alone that compares identical."""

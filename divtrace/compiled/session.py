@@ -65,6 +65,7 @@ class CompiledSession:
         self._dynamo = None
         self._before: dict = {}
         self._t_first: float | None = None
+        self._skip_hook_guards = True
         self._runs: dict = {}  # generated file -> [last tap line, {token: tensor handed over}]
 
     # -- meta -----------------------------------------------------------------------------------------------
@@ -97,6 +98,11 @@ class CompiledSession:
             taps.tap_op()
             taps.SESSIONS[self.sid] = self
             self._install_hooks()
+            # Dynamo does not guard on module hooks by default: a graph compiled for another instance of the same
+            # class (no hooks, so no taps) was reused for the recorded model, which then ran with no tap.
+            cfg = self._dynamo.config
+            self._skip_hook_guards = cfg.skip_nnmodule_hook_guards
+            cfg.skip_nnmodule_hook_guards = False
             self._dynamo.reset()
         if self._dynamo is not None:
             from torch._dynamo.utils import counters  # (after the reset, which clears some of them)
@@ -133,6 +139,7 @@ class CompiledSession:
             info["graphs_compiled"] = counters["stats"].get("unique_graphs", 0) - self._before["unique_graphs"]
             info["compile_seconds"] = round(_compile_seconds() - self._before["compile_s"], 3)
         if self.compiled:
+            self._dynamo.config.skip_nnmodule_hook_guards = self._skip_hook_guards
             self._dynamo.reset()  # the taps stay in the compiled code until it is dropped
             info["taps_run"] = self.taps_run
             info["kernels"] = self.kernels
