@@ -72,6 +72,8 @@ def test_recorded_compiled_logits_are_the_unrecorded_compiled_logits(llama_runs)
     root = next(c for c in t.calls.values() if c.module == "")
     key, vid = root.outputs[0]
     assert key == "out.logits" and torch.equal(t.tensor(vid), r["unrecorded"])  # the trace holds those logits
+    lm_head = next(c for c in t.calls.values() if c.module == "lm_head")
+    assert lm_head.outputs[0][1] == vid  # the root's hook (a graph of its own) got the logits unchanged: hashed once
     modules = {c.module for c in t.calls.values()}
     assert "model.layers.1.mlp.down_proj" in modules and not any("_orig_mod" in p for p in modules)
     meta = _meta(r["dir"] / "comp")

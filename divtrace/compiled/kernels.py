@@ -94,10 +94,12 @@ def _first_buf(arg: str) -> str | None:
 
 
 def _analyze(path: str) -> dict:
-    """tap line number -> (producers, tokens, last): per tapped tensor, the kernel that computed it (or None),
-    and a token that two taps of one run of `call` share exactly when they hand over the same bytes (the same
-    argument text, and the buffer not written in between); `last` holds the tokens no later tap uses. Any line
-    not understood counts as writing every buffer it names, so a token is never shared wrongly."""
+    """tap line number -> (producers, tokens, last, settled): per tapped tensor, the kernel that computed it (or
+    None), and a token that two taps of one run of `call` share exactly when they hand over the same bytes (the
+    same argument text, and the buffer not written in between); `last` holds the tokens no later tap uses;
+    `settled` says, per tensor, that nothing in the graph writes its buffer after the tap (its bytes leave the
+    graph as tapped). Any line not understood counts as writing every buffer it names, so a token is never
+    shared wrongly."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     params = _kernel_params(lines)
@@ -108,6 +110,7 @@ def _analyze(path: str) -> dict:
     source = None
     in_call = False
     last_use: dict = {}
+    call_taps: list = []
 
     def written(text: str, no: int) -> None:
         for b in _BUF.findall(text):
@@ -116,7 +119,7 @@ def _analyze(path: str) -> dict:
     for no, raw in enumerate(lines, 1):
         line = raw.strip()
         if raw.startswith("    def call(") or raw.startswith("def call("):
-            in_call, producer, alias, version, source = True, {}, {}, {}, None
+            in_call, producer, alias, version, source, call_taps = True, {}, {}, {}, None, []
             continue
         if not in_call:
             continue
@@ -133,7 +136,8 @@ def _analyze(path: str) -> dict:
                 bufs = [_first_buf(a) for a in items]
                 roots = [_root(alias, b) if b else None for b in bufs]
                 tokens = [(a, r, version.get(r, 0)) if r else None for a, r in zip(items, roots)]
-                out[no] = ([producer.get(r) if r else None for r in roots], tokens, set())
+                out[no] = ([producer.get(r) if r else None for r in roots], tokens, set(), [])
+                call_taps.append((no, tokens))
                 for t in tokens:
                     if t is not None:
                         last_use[t] = no
@@ -142,6 +146,13 @@ def _analyze(path: str) -> dict:
             source = None
             continue
         if line.startswith("del ") or line.startswith("#") or not line or line.startswith("assert_"):
+            continue
+        if re.fullmatch(r"(arg\d+_\d+, ?)*(arg\d+_\d+,?)? ?= args", line) or line == "args.clear()":
+            continue  # the graph's inputs arrive
+        if line.startswith("return "):  # the end of the run: a tapped buffer not written since stays as tapped
+            for tno, tokens in call_taps:
+                out[tno][3].extend(t is not None and version.get(t[1], 0) == t[2] for t in tokens)
+            call_taps = []
             continue
         m = re.match(r"^(buf\d+) = (buf\d+)(?:\[\d+\])?(?:;|$)", line)  # reuse, or an item of a fallback's tuple
         if m:

@@ -66,6 +66,7 @@ class CompiledSession:
         self._before: dict = {}
         self._t_first: float | None = None
         self._skip_hook_guards = True
+        self._left: dict = {}  # layout -> alias of a tapped value that left its graph unchanged (_settle)
         self._runs: dict = {}  # generated file -> [last tap line, {token: tensor handed over}]
 
     # -- meta -----------------------------------------------------------------------------------------------
@@ -123,6 +124,7 @@ class CompiledSession:
         self.handles.clear()
         taps.SESSIONS.pop(self.sid, None)
         self._runs.clear()
+        self._left.clear()
         if self._stance is not None:
             self._stance.__exit__(None, None, None)
             self._stance = None
@@ -255,6 +257,15 @@ class CompiledSession:
             pre_h = m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
             self.handles += (pre_h, post_h)
 
+    def _settle(self, alias) -> None:
+        """`alias` (a tapped tensor's fresh alias) leaves its graph with the bytes it was tapped with. If the very
+        next tap runs in another graph that gets the same memory, in the same layout, as an input it has not
+        written (a hook of the root module compiled as a graph of its own gets the logits the lm_head's exit tap
+        handed over), it is handed this alias and the bytes are not hashed again. Only Python glue runs between
+        two consecutive taps; eager code writing the bytes there moves the version counter the alias shares
+        (then they are hashed anew), and the alias keeps the memory alive, so it cannot be another tensor's."""
+        self._left[_layout(alias)] = alias
+
     def on_tap(self, path: str, event: str, flat: list, in_graph: bool = False) -> None:
         """A tap ran: record the module's enter or exit. `in_graph`: it ran from compiled code.
 
@@ -279,17 +290,26 @@ class CompiledSession:
                 state = self._runs[file] = [line, {}]
             state[0] = line
             held = state[1]
+            settled = info[3] if len(info[3]) == len(flat) else [False] * len(flat)
+            left, self._left = self._left, {}  # only the tap right before may hand a value on (_settle)
             for i, tok in enumerate(info[1]):
                 key, x = flat[i]
                 prev = held.get(tok) if tok is not None else None
+                if prev is None and tok is not None and tok[1].startswith("arg") and tok[2] == 0 and left:
+                    prev = _left_graph(left, x)  # a graph input unwritten so far: what the tap before left
                 if prev is not None and prev.shape == x.shape and prev.dtype == x.dtype:
                     flat[i] = (key, prev)
                 else:
                     flat[i] = (key, x.detach())
                     if tok is not None:
                         held[tok] = flat[i][1]
+                    if settled[i]:
+                        self._settle(flat[i][1])
         elif in_graph:
             flat = [(k, x.detach()) for k, x in flat]
+            self._left = {}
+        else:
+            self._left = {}
         if event == "enter":
             self.rec._tap_enter(path, module, flat)
         else:
@@ -302,6 +322,18 @@ class CompiledSession:
             held = self._runs[site[0]][1]
             for tok in info[2]:  # no later tap of this run hands it over: let the buffer go
                 held.pop(tok, None)
+
+
+def _layout(x) -> tuple:
+    return (x.data_ptr(), x.dtype, tuple(x.shape), tuple(x.stride()), x.device)
+
+
+def _left_graph(left: dict, x):
+    a = left.get(_layout(x)) if left else None
+    try:
+        return a if a is not None and a._version == x._version else None
+    except RuntimeError:  # inference tensors have no version counter: no sharing
+        return None
 
 
 def _compile_seconds() -> float:
