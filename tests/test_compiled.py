@@ -178,6 +178,10 @@ def test_compiled_code_that_ran_without_hooks_is_unseen(tmp_path):
     assert not rec.compiled
     unseen = _meta(tmp_path / "t")["unseen"]
     assert unseen and "compiled code ran" in unseen[0] and "compiled=True" in unseen[0]
+    with torch.no_grad(), divtrace.record(m, tmp_path / "t2", mode="hash", ops=False):
+        c(x)
+    r = divtrace.bisect(tmp_path / "t", tmp_path / "t2")  # every compared tensor equal, but the insides unseen
+    assert r.verdict == "inconclusive" and r.exit_code == 3  # never "identical"
 
 
 def test_a_compile_failure_while_recording_is_one_line(tmp_path):
