@@ -217,7 +217,7 @@ class Recorder:
     def __init__(self, model, path, *, mode="full", ops=True, label=None, include=None, exclude=None,
                  overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False):
         if not isinstance(model, torch.nn.Module):
-            raise DivtraceError(f"record() needs a torch.nn.Module, got {type(model).__name__}")
+            raise DivtraceError(f"record() needs a torch.nn.Module (or a vllm.LLM), got {type(model).__name__}")
         if mode not in ("full", "hash"):
             raise DivtraceError(f"mode must be 'full' or 'hash', got {mode!r}")
         self.model, self.path, self.mode, self.ops, self.label = model, path, mode, ops, label
@@ -689,6 +689,9 @@ class Recorder:
             return out
         with _BUSY:
             outs = op_tensors(out, [])
+            if out is None:  # returns nothing, writes its result into arguments (vLLM's _C.onednn_mm): those
+                outs = [t for pos, name in _mutated_args(func)  # are its outputs
+                        for t in op_tensors(args[pos] if pos < len(args) else kwargs.get(name), [])]
             plain_out = [self._plain(t, func) for t in outs]
             if not outs or any(p is None for p in plain_out):
                 return out
@@ -784,6 +787,7 @@ class _OpMode(TorchDispatchMode):
 def record(model, path, *, mode="full", ops=True, label=None, include=None, exclude=None, overwrite=False,
            shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False) -> Recorder:
     """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
+    `model` is a `torch.nn.Module`, or a `vllm.LLM` (in-process, eager: see divtrace/engines/vllm.py).
 
     `flush_records` bounds how many records may be lost if the process is killed (they are written in
     batches of that many). `shard_bytes` is the size of a full-mode shard file; full mode holds no tensor
@@ -800,6 +804,12 @@ def record(model, path, *, mode="full", ops=True, label=None, include=None, excl
         with divtrace.record(model, "runs/train", mode="hash", label="train"):
             model(input_ids)
     """
-    return Recorder(model, path, mode=mode, ops=ops, label=label, include=include, exclude=exclude,
-                    overwrite=overwrite, shard_bytes=shard_bytes, extra_meta=extra_meta,
-                    flush_records=flush_records, durable=durable)
+    kwargs = dict(mode=mode, ops=ops, label=label, include=include, exclude=exclude, overwrite=overwrite,
+                  shard_bytes=shard_bytes, extra_meta=extra_meta, flush_records=flush_records, durable=durable)
+    if not isinstance(model, torch.nn.Module):  # an inference engine (a vllm.LLM): its adapter, if there is one
+        from divtrace.engines import engine_recorder
+
+        rec = engine_recorder(model, path, **kwargs)
+        if rec is not None:
+            return rec
+    return Recorder(model, path, **kwargs)
