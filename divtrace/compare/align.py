@@ -10,12 +10,79 @@ from divtrace.records import ModuleCall
 from divtrace.trace.reader import Trace
 
 
-class PathMap:
-    """Regex renames of module paths, per side. YAML: `{a: {regex: repl}, b: {regex: repl}}`, or a plain
-    `{regex: repl}` mapping, which applies to side b (the one usually named differently: the engine)."""
+_MAP_KEYS = {"a", "b", "rules"}
+_RULE_KEYS = {"side", "module", "when", "unless", "hide", "split", "inputs", "outputs", "only", "optional", "why"}
 
-    def __init__(self, a=None, b=None):
+
+class MapRule:
+    """One structural rule of a map, for the calls of one side whose (original) path matches `module`:
+    - `hide: true`: the call is taken out of the tree; its children and its own ops go to its parent (a module
+      the other stack has no counterpart for, such as vLLM's attention wrapper: its ops become the parent's code);
+    - `split: {path-replacement: output-key}`: the call stands for several calls of the other side, one per
+      entry, each with the call's inputs and the one output named (vLLM's fused qkv_proj as q_proj, k_proj and
+      v_proj, from the derived outputs `out.q`... its adapter records);
+    - `inputs:` / `outputs: {key: new-key or null}`: renames (null drops the key); with `only: true` the keys
+      not listed are dropped (of the lists the rule names: `inputs: {}` with `only` drops every input);
+    - `when: KEY` / `unless: KEY`: the rule applies only to calls that have (have not) that input or output key.
+    The first rule that applies to a call is the only one applied to it. A rule that matches no call of its
+    side is an error unless `optional: true`."""
+
+    def __init__(self, data, where: str):
+        if not isinstance(data, dict) or "module" not in data or not set(data) <= _RULE_KEYS:
+            raise DivtraceError(f"--map: {where} must be a mapping with `module:` and any of "
+                                f"{', '.join(sorted(_RULE_KEYS - {'module'}))}; got {data!r}"[:300])
+        self.side = str(data.get("side", "b"))
+        if self.side not in ("a", "b", "both"):
+            raise DivtraceError(f"--map: {where}: side must be a, b or both, got {self.side!r}")
+        try:
+            self.module = re.compile(str(data["module"]))
+        except re.error as e:
+            raise DivtraceError(f"--map: {where}: bad regex {data['module']!r}: {e}") from None
+        self.when, self.unless = data.get("when"), data.get("unless")
+        self.hide, self.only, self.optional = bool(data.get("hide")), bool(data.get("only")), bool(data.get("optional"))
+        self.split = self._mapping(data.get("split"), where, "split", nulls=False)
+        self.inputs = self._mapping(data.get("inputs"), where, "inputs", nulls=True)
+        self.outputs = self._mapping(data.get("outputs"), where, "outputs", nulls=True)
+        self.where = where
+        self.used = {"a": False, "b": False}
+
+    @staticmethod
+    def _mapping(m, where, name, nulls):
+        if m is None:
+            return None
+        if not isinstance(m, dict) or not all(isinstance(v, str) or (nulls and v is None) for v in m.values()):
+            raise DivtraceError(f"--map: {where}: `{name}` must map keys to {'new keys or null' if nulls else 'strings'}")
+        return {str(k): v for k, v in m.items()}
+
+    def applies(self, side: str, call) -> bool:
+        if self.side not in (side, "both") or not self.module.search(call.module):
+            return False
+        keys = {k for k, _ in call.inputs} | {k for k, _ in call.outputs}
+        return (self.when is None or self.when in keys) and (self.unless is None or self.unless not in keys)
+
+    def rekey(self, items: list, mapping: dict) -> list:
+        out, seen = [], set()
+        for k, v in items:
+            new = mapping[k] if k in mapping else None if self.only else k
+            if new is not None and new not in seen:
+                seen.add(new)
+                out.append((new, v))
+        return out
+
+
+class PathMap:
+    """How the module calls of two stacks correspond. YAML: `{a: {regex: repl}, b: {regex: repl}, rules: [...]}`
+    (renames of module paths per side, and structural rules, see MapRule), or a plain `{regex: repl}` mapping,
+    which applies to side b (the one usually named differently: the engine). `from_file` also takes the name of
+    a map shipped with divtrace (divtrace/maps/NAME.yaml: `vllm-hf`)."""
+
+    def __init__(self, a=None, b=None, rules=None, name: str = "--map"):
         self.rules = {"a": self._compile(a or {}, "a"), "b": self._compile(b or {}, "b")}
+        if rules is not None and not isinstance(rules, list):
+            raise DivtraceError(f"--map: `rules` must be a list of rules, got {type(rules).__name__}")
+        self.structure = [MapRule(r, f"rule {i + 1}") for i, r in enumerate(rules or [])]
+        self.name = name
+        self.applied: list[str] = []  # "side: rule (why): N calls", for the report
 
     @staticmethod
     def _compile(rules: dict, side: str):
@@ -23,33 +90,47 @@ class PathMap:
         for pat, repl in rules.items():
             if not (repl is None or isinstance(repl, (str, int, float))):
                 raise DivtraceError(f"--map: the replacement for {pat!r} (side {side}) is not a string: {repl!r} "
-                                    "(a map per side has only the keys a: and b:)")
+                                    "(a map per side has only the keys a:, b: and rules:)")
             try:
                 out.append((re.compile(str(pat)), "" if repl is None else str(repl)))
             except re.error as e:
                 raise DivtraceError(f"--map: bad regex {pat!r} for side {side}: {e}") from None
         return out
 
+    @staticmethod
+    def builtin(name: str) -> Path | None:
+        """The shipped map called `name` (`vllm-hf`), or None."""
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            return None
+        p = Path(__file__).resolve().parent.parent / "maps" / f"{name}.yaml"
+        return p if p.is_file() else None
+
     @classmethod
     def from_file(cls, path) -> "PathMap":
         import yaml
 
         p = Path(path)
+        if not p.exists() and cls.builtin(str(path)) is not None:
+            p = cls.builtin(str(path))
         try:
             data = yaml.safe_load(p.read_text())
         except OSError as e:
-            raise DivtraceError(f"{p}: cannot read map file: {e.strerror or e}") from None
+            raise DivtraceError(f"{p}: cannot read map file: {e.strerror or e} (built-in maps: vllm-hf)") from None
         except UnicodeDecodeError:
             raise DivtraceError(f"{p}: not a text (UTF-8) file; a map file is YAML of regex -> replacement") from None
         except yaml.YAMLError as e:
             raise DivtraceError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
         if data is None:
-            return cls()
+            return cls(name=str(path))
         if not isinstance(data, dict):
             raise DivtraceError(f"{p}: map file must be a mapping of regex -> replacement")
-        if set(data) <= {"a", "b"} and all(isinstance(v, dict) or v is None for v in data.values()):
-            return cls(data.get("a"), data.get("b"))
-        return cls(None, data)
+        if set(data) <= _MAP_KEYS and all(isinstance(v, dict) or v is None for k, v in data.items() if k != "rules") \
+                and (set(data) & {"a", "b"} or "rules" in data):
+            try:
+                return cls(data.get("a"), data.get("b"), data.get("rules"), name=str(path))
+            except DivtraceError as e:
+                raise DivtraceError(f"{p}: {e}") from None
+        return cls(None, data, name=str(path))
 
     def apply(self, side: str, path: str) -> str:
         rules = self.rules[side]
@@ -62,6 +143,87 @@ class PathMap:
                 raise DivtraceError(f"--map: bad replacement {repl!r} for {pat.pattern!r} (side {side}): {e}") from None
         return path
 
+    # -- structural rules ---------------------------------------------------------------------------------------
+    def rewrite(self, side: str, trace: Trace) -> None:
+        """Apply the structural rules to `trace`'s call tree, in place (once per trace). Hidden and split calls
+        stay in `trace.calls` (records still name them) and are listed in `trace.hidden_calls`: pairing skips
+        them. Split calls' stand-ins get new call ids."""
+        rules = [r for r in self.structure if r.side in (side, "both")]
+        if not rules or getattr(trace, "_map_rewritten", None) is self:
+            return
+        calls = trace.calls
+        hidden = trace.__dict__.setdefault("hidden_calls", set())
+        next_id = max(calls, default=-1) + 1
+        counts: dict[str, int] = {}
+        for cid in sorted(calls):
+            c = calls[cid]
+            if cid in hidden:
+                continue
+            for r in rules:
+                if not r.applies(side, c):
+                    continue
+                r.used[side] = True
+                counts[r.where] = counts.get(r.where, 0) + 1
+                if r.hide:
+                    self._hide(calls, c)
+                    hidden.add(cid)
+                    break
+                if r.split:
+                    outs = dict(c.outputs)
+                    if all(k in outs for k in r.split.values()):
+                        stand_ins = []
+                        for repl, key in r.split.items():
+                            path = r.module.sub(repl, c.module)
+                            n = type(c)(next_id, path, c.call, c.parent, c.enter_index, list(c.inputs), c.exit_index,
+                                        [("out", outs[key])], [], list(c.ops))
+                            calls[next_id] = n
+                            stand_ins.append(next_id)
+                            next_id += 1
+                        self._replace(calls, c, stand_ins)
+                        for ch in c.children:
+                            calls[ch].parent = stand_ins[0]
+                        calls[stand_ins[0]].children = list(c.children)
+                        hidden.add(cid)
+                    break
+                if r.inputs is not None:
+                    c.inputs = r.rekey(c.inputs, r.inputs)
+                if r.outputs is not None:
+                    c.outputs = r.rekey(c.outputs, r.outputs)
+                break  # the first rule that applies to a call is the one
+        trace._map_rewritten = self
+        why = {r.where: r for r in rules}
+        self.applied += [f"{side}: {w} ({why[w].module.pattern}): {n} calls" for w, n in counts.items()]
+
+    @staticmethod
+    def _replace(calls, c, new_ids: list) -> None:
+        if c.parent is not None and c.parent in calls:
+            kids = calls[c.parent].children
+            i = kids.index(c.call_id)
+            kids[i:i + 1] = new_ids
+
+    def _hide(self, calls, c) -> None:
+        for ch in c.children:
+            calls[ch].parent = c.parent
+        self._replace(calls, c, list(c.children))
+        if c.parent is not None and c.parent in calls:
+            p = calls[c.parent]
+            p.ops = sorted(p.ops + c.ops)
+
+    def check_used(self, traces: dict) -> None:
+        """A map that names modules the traces do not have is bad input: say which (renames and rules)."""
+        for side, t in traces.items():
+            paths = {c.module for c in t.calls.values()}
+            for pat, _ in self.rules[side]:
+                if not any(pat.search(p) for p in paths):
+                    raise DivtraceError(f"{self.name}: the rename {pat.pattern!r} (side {side}) matches no module of "
+                                        f"{t.path} (its modules: {', '.join(sorted(paths)[:6]) or 'none'}...)")
+        for r in self.structure:
+            sides = [s for s in ("a", "b") if r.side in (s, "both") and s in traces]
+            if sides and not r.optional and not any(r.used[s] for s in sides):
+                t = traces[sides[0]]
+                raise DivtraceError(f"{self.name}: {r.where} (module {r.module.pattern!r}, side {r.side}) matches no "
+                                    f"module call of {t.path}; is it a trace of this stack?")
+
 
 class Pairing:
     """Module calls of A and B paired by (mapped path, call number)."""
@@ -69,8 +231,16 @@ class Pairing:
     def __init__(self, a: Trace, b: Trace, path_map: PathMap | None = None):
         self.a, self.b = a, b
         self.map = path_map or PathMap()
-        self.keys_a = {cid: (self.map.apply("a", c.module), c.call) for cid, c in a.calls.items()}
-        self.keys_b = {cid: (self.map.apply("b", c.module), c.call) for cid, c in b.calls.items()}
+        self.map.rewrite("a", a)
+        self.map.rewrite("b", b)
+        if path_map is not None:
+            self.map.check_used({"a": a, "b": b})
+        # Calls a structural rule hid or split get keys no call of the other side has: never paired.
+        ha, hb = getattr(a, "hidden_calls", ()), getattr(b, "hidden_calls", ())
+        self.keys_a = {cid: (self.map.apply("a", c.module), c.call) if cid not in ha else ("\0hidden", cid)
+                       for cid, c in a.calls.items()}
+        self.keys_b = {cid: (self.map.apply("b", c.module), c.call) if cid not in hb else ("\0hidden", cid)
+                       for cid, c in b.calls.items()}
         self.by_key_b = {k: cid for cid, k in self.keys_b.items()}
         self.by_key_a = {k: cid for cid, k in self.keys_a.items()}
         self.common = set(self.by_key_a) & set(self.by_key_b)
@@ -80,7 +250,9 @@ class Pairing:
         return None if cid is None else self.b.calls[cid]
 
     def unmatched(self) -> dict:
-        return {"a": len(self.by_key_a) - len(self.common), "b": len(self.by_key_b) - len(self.common)}
+        hidden = [sum(1 for k in keys if k[0] == "\0hidden") for keys in (self.by_key_a, self.by_key_b)]
+        return {"a": len(self.by_key_a) - len(self.common) - hidden[0],
+                "b": len(self.by_key_b) - len(self.common) - hidden[1]}
 
 
 _NONE = object()

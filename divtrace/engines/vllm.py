@@ -30,7 +30,7 @@ from divtrace.recorder import Recorder
 #   q_proj/k_proj/v_proj outputs, concatenated along the last dim, are that fused output);
 # - `out.gate` `out.up` of a MergedColumnParallelLinear with two blocks (gate_up_proj);
 # - `out.sum` of a decoder layer returning `(hidden, residual)`: their sum, in their dtype (HF's residual
-#   stream after the layer);
+#   stream after the layer), and `kwargs.divtrace_sum` of one called with `(positions, hidden, residual)`;
 # - `kwargs.divtrace_sum` of an RMSNorm called with a residual: hidden + residual (HF's norm input; vLLM's
 #   fused add-norm adds them inside its kernel);
 # - `kwargs.divtrace_ids` of the token embedding: the ids as int64 (vLLM passes int32, HF int64; a lookup is
@@ -201,6 +201,9 @@ class VllmRecorder(Recorder):
             res = args[1] if len(args) > 1 else kwargs.get("residual")
             if isinstance(x, torch.Tensor) and isinstance(res, torch.Tensor) and x.shape == res.shape:
                 kwargs = {**kwargs, "divtrace_sum": x + res}
+        elif kind == "layer" and len(args) >= 3 and isinstance(args[1], torch.Tensor) \
+                and isinstance(args[2], torch.Tensor) and args[1].shape == args[2].shape:
+            kwargs = {**kwargs, "divtrace_sum": args[1] + args[2]}
         elif kind == "embed" and args and isinstance(args[0], torch.Tensor) and args[0].dtype != torch.int64:
             kwargs = {**kwargs, "divtrace_ids": args[0].to(torch.int64)}
         return super()._enter(path, module, args, kwargs)
