@@ -257,6 +257,31 @@ class Pairing:
 
 _NONE = object()
 
+# Ops that allocate without initializing: their outputs' bytes are whatever the allocator handed out, so they
+# carry no value to compare (vLLM allocates every linear's and the attention's output this way, then a custom op
+# writes into it). Views of such a buffer taken before anything wrote into it are as undefined.
+_UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+_ALIASING = {"view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute", "expand",
+             "unsqueeze", "squeeze", "select", "slice", "as_strided", "alias", "detach", "split", "split_with_sizes",
+             "chunk", "unbind", "narrow", "flatten", "view_as", "expand_as", "movedim", "diagonal"}
+
+
+def uninitialized_values(t: Trace) -> set[int]:
+    """Value ids of `t` whose bytes are undefined: outputs of allocations that do not initialize, and views of
+    them made before a write (a write makes a new value id, so later views are not in the set)."""
+    out: set[int] = set()
+    rop, rin, rout = getattr(t, "rop", None), getattr(t, "rin", None), getattr(t, "rout", None)
+    if rop is None or rin is None or rout is None:
+        return out
+    for op, ins, outs in zip(rop, rin, rout):
+        if op is None or ins is None:
+            continue
+        parts = op.split(".")
+        name = parts[1] if len(parts) > 1 else op
+        if name in _UNINITIALIZED or (name in _ALIASING and ins and all(v in out for v in ins)):
+            out.update(outs)
+    return out
+
 
 class ValueComparator:
     """Decides whether a value of A equals a value of B. Bitwise (fingerprints: dtype, shape, 128-bit hash of
@@ -281,6 +306,8 @@ class ValueComparator:
         # trace holding it is full mode (the other side may have made the same bytes another way).
         self._full_a, self._full_b = a.mode == "full", b.mode == "full"
         self._views = bool((self._full_a and a.vderived) or (self._full_b and b.vderived))
+        self._undef_a, self._undef_b = uninitialized_values(a), uninitialized_values(b)
+        self._undef = bool(self._undef_a and self._undef_b)
 
     def _view_equal(self, va: int, vb: int) -> bool:
         """Fingerprints differ: whether the bytes are equal all the same (a derived view's, rebuilt in full mode;
@@ -292,13 +319,18 @@ class ValueComparator:
         return ((da or db) and (self._full_a or not da) and (self._full_b or not db)
                 and ka[0] == kb[0] and ka[1] == kb[1] and self.a.real_key(va) == self.b.real_key(vb))
 
+    def _both_undefined(self, va: int, vb: int) -> bool:
+        """Two uninitialized buffers of one dtype and shape: nothing to compare (their garbage may differ)."""
+        return (self._undef and va in self._undef_a and vb in self._undef_b
+                and self._ka[va][:2] == self._kb[vb][:2])
+
     @property
     def values_available(self) -> bool:
         return self.a.mode == "full" and self.b.mode == "full"
 
     def same(self, va: int, vb: int) -> bool:
         if self.tol is None:
-            equal = self._ka[va] == self._kb[vb] or self._view_equal(va, vb)  # (dtype, shape, hash) of each
+            equal = self._ka[va] == self._kb[vb] or self._view_equal(va, vb) or self._both_undefined(va, vb)
             if self._new_pair(va, vb):
                 self.compared += 1
                 self.bitwise_differs += not equal
@@ -322,7 +354,7 @@ class ValueComparator:
         """With a tolerance: compare a pair not seen before (each distinct pair counts once in `compared`)."""
         va, vb = key
         self.compared += 1
-        bitwise = self._ka[va] == self._kb[vb] or self._view_equal(va, vb)
+        bitwise = self._ka[va] == self._kb[vb] or self._view_equal(va, vb) or self._both_undefined(va, vb)
         result = bitwise
         if not bitwise:
             self.bitwise_differs += 1
@@ -339,7 +371,7 @@ class ValueComparator:
         new = 0
         try:
             for va, vb in pairs:  # same(), inlined: this loop sees every op output of the run
-                equal = ka[va] == kb[vb] or (views and self._view_equal(va, vb))
+                equal = ka[va] == kb[vb] or (views and self._view_equal(va, vb)) or self._both_undefined(va, vb)
                 prev = seen.get(va, _NONE)
                 if prev is _NONE:
                     seen[va] = vb
