@@ -237,9 +237,9 @@ class Pairing:
             self.map.check_used({"a": a, "b": b})
         # Calls a structural rule hid or split get keys no call of the other side has: never paired.
         ha, hb = getattr(a, "hidden_calls", ()), getattr(b, "hidden_calls", ())
-        self.keys_a = {cid: (self.map.apply("a", c.module), c.call) if cid not in ha else ("\0hidden", cid)
+        self.keys_a = {cid: (self.map.apply("a", c.module), c.call) if cid not in ha else ("\0hidden a", cid)
                        for cid, c in a.calls.items()}
-        self.keys_b = {cid: (self.map.apply("b", c.module), c.call) if cid not in hb else ("\0hidden", cid)
+        self.keys_b = {cid: (self.map.apply("b", c.module), c.call) if cid not in hb else ("\0hidden b", cid)
                        for cid, c in b.calls.items()}
         self.by_key_b = {k: cid for cid, k in self.keys_b.items()}
         self.by_key_a = {k: cid for cid, k in self.keys_a.items()}
@@ -250,7 +250,7 @@ class Pairing:
         return None if cid is None else self.b.calls[cid]
 
     def unmatched(self) -> dict:
-        hidden = [sum(1 for k in keys if k[0] == "\0hidden") for keys in (self.by_key_a, self.by_key_b)]
+        hidden = [sum(1 for k in keys if k[0].startswith("\0hidden")) for keys in (self.by_key_a, self.by_key_b)]
         return {"a": len(self.by_key_a) - len(self.common) - hidden[0],
                 "b": len(self.by_key_b) - len(self.common) - hidden[1]}
 
