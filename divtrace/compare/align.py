@@ -44,6 +44,7 @@ class MapRule:
         self.inputs = self._mapping(data.get("inputs"), where, "inputs", nulls=True)
         self.outputs = self._mapping(data.get("outputs"), where, "outputs", nulls=True)
         self.where = where
+        self.why = str(data.get("why") or f"{where} ({self.module.pattern})")
         self.used = {"a": False, "b": False}
 
     @staticmethod
@@ -153,6 +154,7 @@ class PathMap:
             return
         calls = trace.calls
         hidden = trace.__dict__.setdefault("hidden_calls", set())
+        notes = trace.__dict__.setdefault("map_notes", {})  # call id -> how the map made it comparable
         next_id = max(calls, default=-1) + 1
         counts: dict[str, int] = {}
         for cid in sorted(calls):
@@ -177,6 +179,7 @@ class PathMap:
                             n = type(c)(next_id, path, c.call, c.parent, c.enter_index, list(c.inputs), c.exit_index,
                                         [("out", outs[key])], [], list(c.ops))
                             calls[next_id] = n
+                            notes[next_id] = f"{path} is {c.module}'s {key} (side {side}): {r.why}"
                             stand_ins.append(next_id)
                             next_id += 1
                         self._replace(calls, c, stand_ins)
@@ -185,6 +188,7 @@ class PathMap:
                         calls[stand_ins[0]].children = list(c.children)
                         hidden.add(cid)
                     break
+                notes[cid] = f"{c.module or '<root>'} (side {side}): {r.why}"
                 if r.inputs is not None:
                     c.inputs = r.rekey(c.inputs, r.inputs)
                 if r.outputs is not None:
@@ -244,6 +248,14 @@ class Pairing:
         self.by_key_b = {k: cid for cid, k in self.keys_b.items()}
         self.by_key_a = {k: cid for cid, k in self.keys_a.items()}
         self.common = set(self.by_key_a) & set(self.by_key_b)
+
+    def map_notes(self, call_a: ModuleCall, call_b: ModuleCall | None = None) -> list[str]:
+        """How the map's structural rules made these calls comparable (empty when no rule touched them): for
+        a report to say that, say, q_proj was compared with the q block of vLLM's fused qkv_proj."""
+        out = [getattr(self.a, "map_notes", {}).get(call_a.call_id)]
+        if call_b is not None:
+            out.append(getattr(self.b, "map_notes", {}).get(call_b.call_id))
+        return [n for n in out if n]
 
     def partner(self, call_a: ModuleCall) -> ModuleCall | None:
         cid = self.by_key_b.get(self.keys_a[call_a.call_id])
