@@ -327,7 +327,7 @@ def _documented_keys(doc: Path, column: int = 1) -> dict[str, set[str]]:
             section = line.lstrip("#").strip()
             keys[section] = set()
         elif section and line.startswith("| ") and not line.startswith("|--") and len(line.split("|")) > column + 1:
-            keys[section].update(re.findall(r"`([A-Za-z_]+)`", line.split("|")[column]))
+            keys[section].update(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", line.split("|")[column]))
     return keys
 
 

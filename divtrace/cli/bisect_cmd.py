@@ -1,6 +1,7 @@
 """divtrace bisect: the first divergence between two traces, localized to module and op."""
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -9,10 +10,62 @@ import typer
 from divtrace.cli.output import Output
 
 
+class Align(str, Enum):
+    auto = "auto"
+    tokens = "tokens"
+    calls = "calls"
+
+
+def _token_text(t: dict) -> str:
+    seq = t["seq"]
+    return (f"position {t['position']} (id {t['id']}) of sequence {seq['id']} (first ids "
+            f"{', '.join(map(str, seq['first_ids']))}): a root call {t['a']['call']} row {t['a']['row']}, "
+            f"b root call {t['b']['call']} row {t['b']['row']}")
+
+
+def render_token_parts(o: Output, d: dict) -> None:
+    """The parts of a token-aligned result that a call-aligned one has not: tokens, rows, origins, final per token."""
+    tk = d["tokens"]
+    o.line(f"tokens: {tk['shared']} shared, {tk['only_a']} only in a, {tk['only_b']} only in b, {tk['differing']} "
+           f"differ; final logits compared for {tk['final_compared']} ({tk['final_differing']} differ)")
+    f = d["first"]
+    if f is not None:
+        rows = [["token", _token_text(f["token"])],
+                ["op rows", f"a: {f['rows']['a']}   b: {f['rows']['b']}"]]
+        if f.get("batch_invariance"):
+            rows.append(["cause", "not batch-invariant: " + f["batch_invariance"]["note"]])
+        o.table("first diverging token", ["field", "value"], rows)
+    if len(d["origins"]) > 1:
+        o.table("independent origins (inputs equal for the token, output differs), in forward order",
+                ["module", "call", "op", "cause", "tokens"],
+                [[x["module"] or "<root>", x["call"], x["op"] or x["op_b"] or "-", x["cause"], x["tokens"]]
+                 for x in d["origins"]])
+    fin = d.get("final")
+    if fin:
+        rows = [["tokens compared / differing", f"{fin['tokens_compared']} / {fin['tokens_differing']}"]]
+        if fin.get("first_differing_token"):
+            rows.append(["first differing token", _token_text(fin["first_differing_token"])])
+        for k, label in (("max_abs_logprob_diff", "max |dlogprob| (next token)"),
+                         ("mean_abs_logprob_diff", "mean |dlogprob|"),
+                         ("kl", f"KL({fin.get('kl_direction', 'a||b')}) mean per token"),
+                         ("kl_reverse", "KL reverse, mean per token"), ("kl_k3", "k3 KL (mean)"),
+                         ("token_mult_prob_error", "token_mult_prob_error")):
+            if fin.get(k) is not None:
+                rows.append([label, fin[k]])
+        o.table("final mismatch per shared token (root output logits)", ["metric", "value"], rows)
+
+
 def render_bisect(o: Output, r) -> None:
     d = r.to_dict()
     la, lb = r.labels
-    if r.verdict == "identical":
+    tokens = d.get("alignment") == "tokens"
+    if tokens and r.verdict == "identical":
+        tk = d["tokens"]
+        o.passed(f"identical: {tk['shared']} shared tokens, every compared row bitwise equal ({r.compared} row pairs; "
+                 f"final logits of {tk['final_compared']} tokens) [{la} vs {lb}]")
+    elif r.verdict == "inconclusive":
+        o.print(f"[bold yellow]INCONCLUSIVE[/]: {d.get('reason')}")
+    elif r.verdict == "identical":
         o.passed(f"identical: {r.compared} tensor pairs compared, every one bitwise equal (dtype, shape and bytes) "
                  f"[{la} vs {lb}]")
     elif r.verdict == "within_tolerance":
@@ -22,7 +75,9 @@ def render_bisect(o: Output, r) -> None:
         f = r.first
         where = f.module or "<root>"
         ops = f" op {f.op}" + (f" (a) / {f.op_b} (b)" if f.op_b and f.op_b != f.op else "") if f.op or f.op_b else ""
-        o.failed(f"diverged: first divergence originates in {where} call {f.call}{ops} [cause: {f.cause}]")
+        tok = d["first"].get("token") if tokens else None
+        at = f" at token position {tok['position']} of sequence {tok['seq']['id']}" if tok else ""
+        o.failed(f"diverged: first divergence originates in {where} call {f.call}{ops}{at} [cause: {f.cause}]")
     for w in r.warnings:
         o.warn(w)
     if r.first is not None:
@@ -45,6 +100,10 @@ def render_bisect(o: Output, r) -> None:
                      ["max ULP", f["max_ulp"]],
                      ["first mismatch", f"index {f['first_index']}: a={f['first_a']} ({f['first_a_bits']})  "
                                         f"b={f['first_b']} ({f['first_b_bits']})"]]
+        elif f.get("reason"):
+            rows.append(["metrics", "unavailable (see 'differs in')"])
+        elif r.metrics_available:
+            rows.append(["metrics", "unavailable for this tensor"])
         else:
             rows.append(["metrics", "unavailable (hash-only trace)"])
         o.table("first divergence", ["field", "value"], rows)
@@ -53,6 +112,8 @@ def render_bisect(o: Output, r) -> None:
                     ["side", "ops"],
                     [["a", ", ".join(x["op"].removeprefix("aten.") for x in f["region_a"]) or "-"],
                      ["b", ", ".join(x["op"].removeprefix("aten.") for x in f["region_b"]) or "-"]])
+    if tokens:
+        render_token_parts(o, d)
     if r.hint:
         o.line(f"hint: {r.hint}")
     if r.settings:
@@ -61,7 +122,7 @@ def render_bisect(o: Output, r) -> None:
         o.table("next diverging records", ["record", "module", "call", "cause", "tensor", "max abs", "max ULP"],
                 [[n["index"], n["module"] or "<root>", n["call"], n["cause"], n["tensor"], n["max_abs"], n["max_ulp"]]
                  for n in d["next"]])
-    if r.final:
+    if r.final and not tokens:
         fin = r.final
         o.table("final mismatch (root output " + str(fin.get("tensor")) + ")", ["metric", "value"],
                 [["bitwise identical", fin.get("identical")],
@@ -81,11 +142,19 @@ def bisect(
     next_n: Annotated[int, typer.Option("--next", help="how many further diverging records to list")] = 5,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write a PNG of where the runs part, per record")] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="write an HTML report of the same")] = None,
+    align: Annotated[Align, typer.Option("--align", help="pair by tokens (a rollout's prefill and decode steps "
+                                         "against a trainer's micro-batches) or by module calls; auto: tokens when "
+                                         "both traces carry token identity and their calls hold different rows")
+                     ] = Align.auto,
 ):
     """Find the first divergence between two traces: the module and aten op where it originates.
 
     Comparison is bitwise (dtype, shape and raw bytes; -0.0 != 0.0, NaNs by their bits) unless --atol,
-    --rtol or --ulp is given. Exit 0 identical, 1 diverged, 2 bad input.
+    --rtol or --ulp is given. Exit 0 identical, 1 diverged, 2 bad input, 3 inconclusive.
+
+    Traces that carry token identity (HF-style calls, or rec.tokens declarations) are aligned token by token
+    when their calls differ: each shared token's rows are compared in every module and op, and the report names
+    the first diverging token, the rows each side's op ran over, and the batch-size cause where it applies.
 
     \b
     Examples:
@@ -93,6 +162,7 @@ def bisect(
       divtrace bisect runs/train runs/infer --json
       divtrace bisect runs/train runs/infer --map names.yaml --ulp 2
       divtrace bisect runs/train runs/infer --plot parting.png
+      divtrace bisect runs/train runs/rollout --align tokens
     """
     from divtrace.compare.align import PathMap
     from divtrace.compare.bisect import bisect as run_bisect
@@ -101,7 +171,7 @@ def bisect(
     o = Output(json_out)
     tol = Tolerance(atol=atol, rtol=rtol, ulp=ulp)
     path_map = PathMap.from_file(map_file) if map_file else None
-    r = run_bisect(a, b, tol=tol, path_map=path_map, n_next=next_n)
+    r = run_bisect(a, b, tol=tol, path_map=path_map, n_next=next_n, align=align.value)
     if plot is not None or html is not None:
         from divtrace.compare.plot import write_plots
 

@@ -195,7 +195,7 @@ class BisectResult:
         return 1 if self.verdict == "diverged" else 0
 
     def to_dict(self) -> dict:
-        return {"verdict": self.verdict, "compared": self.compared,
+        return {"verdict": self.verdict, "alignment": "calls", "compared": self.compared,
                 "first": self.first.to_dict() if self.first else None,
                 "next": [d.to_dict() for d in self.next], "final": self.final, "settings_diff": self.settings,
                 "labels": {"a": self.labels[0], "b": self.labels[1]}, "traces": {"a": self.paths[0], "b": self.paths[1]},
@@ -497,9 +497,27 @@ def _top_pairs(ta: Trace, pairing: Pairing):
             yield ca, cb
 
 
-def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = None, n_next: int = 5) -> BisectResult:
-    """Compare two traces (paths or `Trace`s) and localize their first divergence."""
+def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = None, n_next: int = 5,
+           align: str = "auto") -> BisectResult:
+    """Compare two traces (paths or `Trace`s) and localize their first divergence.
+
+    `align`: "calls" pairs module calls by path and call number; "tokens" pairs the tokens both runs computed
+    (divtrace.compare.token_bisect: a rollout's prefill and decode steps against a trainer's full-sequence
+    micro-batches); "auto" (default) takes tokens when both traces carry token identity and their root calls do
+    not already hold the same tokens in the same rows (where they do, the two alignments are the same)."""
+    if align not in ("auto", "tokens", "calls"):
+        raise DivtraceError(f"align must be 'auto', 'tokens' or 'calls', got {align!r}")
     with gc_paused():  # its caches are many small objects in no cycle (a 100k-record bisect: 0.25 s of collections)
+        if align != "calls":
+            from divtrace.compare.token_align import token_alignment_needed
+
+            ta = a if isinstance(a, Trace) else Trace(a)
+            tb = b if isinstance(b, Trace) else Trace(b)
+            if token_alignment_needed(ta, tb, forced=align == "tokens"):
+                from divtrace.compare.token_bisect import token_bisect  # (numpy: only where tokens are aligned)
+
+                return token_bisect(ta, tb, tol=tol, path_map=path_map, n_next=n_next)
+            a, b = ta, tb
         return _bisect(a, b, tol, path_map, n_next)
 
 

@@ -1,0 +1,99 @@
+"""Which dims of a tensor are token rows, inferred from its shape and the root call's token grid.
+
+Layouts (codes stored in rows.jsonl):
+- "bt":  [B, T, ...]      row (b, t) is x[b, t]            (hidden states, logits, input ids)
+- "bht": [B, H, T, ...]   row (b, t) is x[b, :, t]         (heads-first attention tensors)
+- "n":   [B*T, ...]       row i is x[i], cells row-major    (flattened tokens: engines, a linear's 2-D input)
+- "lastK": [B, K, ...] with K < T, root outputs only: the last K cells of each row (HF's `logits_to_keep`)
+
+A shape that fits two layouts with different rows (B, H, T with H == T) is ambiguous and gets no rows: it is
+compared whole. A heads-first tensor whose last dim is the call's key/value length (attention scores, a 4-D mask)
+holds one token's view of the others, not its own data: it gets no rows either (`cross`), since a decode step and a
+full-sequence forward lay those columns out differently by design.
+"""
+from __future__ import annotations
+
+AMBIGUOUS = "?"
+CROSS = "x"
+
+
+def infer(shape, grid_shape: list[int], kv_len: int, root_output: bool = False) -> str | None:
+    """The layout code of a tensor of `shape` in a call with token grid `grid_shape`; None when it holds no token
+    rows, AMBIGUOUS or CROSS when it has some but they cannot be compared row by row."""
+    nd = len(shape)
+    if nd == 0:
+        return None
+    if len(grid_shape) == 1:
+        return "n" if shape[0] == grid_shape[0] else None
+    b, t = grid_shape
+    bt = nd >= 2 and shape[0] == b and shape[1] == t
+    bht = nd >= 3 and shape[0] == b and shape[2] == t and shape[1] != t
+    n = shape[0] == b * t and not (nd >= 2 and shape[0] == b and shape[1] == t)
+    if bt and nd >= 3 and shape[2] == t and t > 1:
+        return AMBIGUOUS  # [B, T, T, ...] or [B, H, T, ...] with H == T
+    if (bt or bht) and nd >= 4 and kv_len > 1 and shape[-1] == kv_len:
+        return CROSS  # [B, H, T, kv] scores, [B, 1, T, kv] masks (in a decode step [B, 1, 1, kv] fits "bt" too)
+    found = [c for c, ok in (("bt", bt), ("bht", bht), ("n", n)) if ok]
+    if len(found) > 1 and t == 1 and found[-1] == "n":
+        found.pop()  # with T == 1, x[b] holds the same bytes as x[b, 0] or x[b, :, 0]: the T dim decides
+    if len(found) > 1:
+        return AMBIGUOUS
+    if found:
+        return found[0]
+    if root_output and nd >= 2 and shape[0] == b and 0 < shape[1] < t:
+        return f"last{shape[1]}"
+    return None
+
+
+def row_count(code: str, grid_shape: list[int]) -> int:
+    """How many rows a value of this layout stores."""
+    if code.startswith("last"):
+        return grid_shape[0] * int(code[4:])
+    n = 1
+    for s in grid_shape:
+        n *= s
+    return n
+
+
+def cell_row(code: str, grid_shape: list[int], cell: int) -> int | None:
+    """The stored row holding grid cell `cell` (row-major), or None where the layout does not hold it."""
+    if code.startswith("last"):
+        k = int(code[4:])
+        t = grid_shape[1]
+        b, c = divmod(cell, t)
+        return b * k + (c - (t - k)) if c >= t - k else None
+    return cell
+
+
+def rows_2d(x, code: str):
+    """The token rows of `x` as a 2-D tensor [rows, elements], in stored order (a copy only for "bht")."""
+    if code == "bht":
+        x = x.transpose(1, 2)
+        return x.reshape(x.shape[0] * x.shape[1], -1)
+    if code == "bt" or code.startswith("last"):
+        return x.reshape(x.shape[0] * x.shape[1], -1)
+    return x.reshape(x.shape[0], -1)
+
+
+def row_of(x, code: str, grid_shape: list[int], cell: int):
+    """The sub-tensor of `x` that is grid cell `cell`'s row (for value metrics), or None."""
+    r = cell_row(code, grid_shape, cell)
+    if r is None:
+        return None
+    if code == "n":
+        return x[r]
+    if code.startswith("last"):
+        k = int(code[4:])
+        return x[r // k, r % k]
+    t = grid_shape[1]
+    b, c = divmod(r, t)
+    return x[b, c] if code == "bt" else x[b, :, c]
+
+
+def row_shape(shape, code: str) -> tuple:
+    """The shape of one row of a tensor of `shape` laid out as `code`."""
+    if code == "n":
+        return tuple(shape[1:])
+    if code == "bht":
+        return (shape[1],) + tuple(shape[3:])
+    return tuple(shape[2:])

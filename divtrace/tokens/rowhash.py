@@ -1,0 +1,87 @@
+"""One 64-bit fingerprint per token row (scheme "rowlane-wsum64"; the C kernel divtrace/_rows.c, else torch).
+
+A row's raw bytes, row-major, are cut into lanes of 4, 2 or 1 bytes (the widest that divides the row's byte
+count), each a signed little-endian integer x[i]; S = sum x[i] * W[i] mod 2**64 with fixed odd weights, then a
+splitmix64 finalizer of S xor a tag of the byte count. Any change of one lane changes S (odd weights are units
+mod 2**64). Rows are compared only with rows of the same dtype and row shape, which the key carries beside it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+try:
+    from divtrace import _rows as _native_rows
+except ImportError:  # built without a C compiler: torch ops compute the same numbers
+    _native_rows = None
+
+ROW_SCHEME = "rowlane-wsum64"
+_CHUNK = 4096
+_weights = torch.empty(0, dtype=torch.int64)
+_M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def _weights_for(n: int) -> torch.Tensor:
+    """At least n odd int64 weights; chunk c is drawn from its own seed, so weight i never depends on n."""
+    global _weights
+    if _weights.numel() < n:
+        chunks = [_weights]
+        for c in range(_weights.numel() // _CHUNK, -(-n // _CHUNK)):
+            g = torch.Generator().manual_seed(0x70C3 + c)
+            chunks.append(torch.randint(-(2**62), 2**62, (_CHUNK,), generator=g, dtype=torch.int64) * 2 + 1)
+        _weights = torch.cat(chunks)
+    return _weights
+
+
+def _mix(s: np.ndarray, rowbytes: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = s ^ (np.uint64(rowbytes) * _GOLD)
+        x = (x ^ (x >> np.uint64(30))) * _M1
+        x = (x ^ (x >> np.uint64(27))) * _M2
+        return x ^ (x >> np.uint64(31))
+
+
+def contiguous_row_hashes(x: torch.Tensor, rows: int) -> np.ndarray | None:
+    """row_hashes of a contiguous CPU tensor whose bytes are `rows` equal rows, read in place (no torch op, so
+    nothing is dispatched while recording); None where the kernel is not built or cannot read `x`."""
+    if (_native_rows is None or not x.is_cpu or x.layout != torch.strided or x.is_conj() or x.is_neg()
+            or not x.is_contiguous() or rows <= 0):
+        return None
+    rowbytes = x.numel() * x.element_size() // rows
+    lane = 4 if rowbytes % 4 == 0 else 2 if rowbytes % 2 == 0 else 1
+    w = _weights_for(max(rowbytes // lane, 1))
+    out = np.empty(rows, dtype=np.uint64)
+    _native_rows.row_hashes(x.data_ptr(), rows, rowbytes, rowbytes, w.data_ptr(), out.ctypes.data)
+    return out
+
+
+def row_hashes(rows: torch.Tensor) -> np.ndarray:
+    """uint64[R] for a 2-D tensor `rows` [R, row elements] (any dtype, any device)."""
+    r = rows.shape[0]
+    if r == 0:
+        return np.zeros(0, dtype=np.uint64)
+    x = rows.detach()
+    if x.is_conj():
+        x = x.resolve_conj()
+    if x.is_neg():
+        x = x.resolve_neg()
+    if x.stride(-1) != 1 or (r > 1 and x.stride(0) != x.shape[1]) or x.storage_offset() % 1:
+        x = x.contiguous()
+    rowbytes = x.shape[1] * x.element_size()
+    lane = 4 if rowbytes % 4 == 0 else 2 if rowbytes % 2 == 0 else 1
+    w = _weights_for(max(rowbytes // lane, 1))
+    if _native_rows is not None and x.is_cpu and x.layout == torch.strided:
+        x = x.contiguous()
+        out = np.empty(r, dtype=np.uint64)
+        _native_rows.row_hashes(x.data_ptr(), r, rowbytes, rowbytes, w.data_ptr(), out.ctypes.data)
+        return out
+    lanes = x.contiguous().view(torch.uint8).reshape(r, rowbytes)
+    lanes = lanes.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[lane]).to(torch.int64)
+    w = w[: rowbytes // lane].to(lanes.device)
+    if not rowbytes:
+        s = torch.zeros(r, dtype=torch.int64)
+    elif lanes.is_cpu:
+        s = lanes @ w
+    else:  # no int64 matmul on accelerators; the products wrap mod 2**64 the same way
+        s = (lanes * w).sum(1)
+    return _mix(s.cpu().numpy().view(np.uint64), rowbytes)
