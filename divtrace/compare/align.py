@@ -83,7 +83,10 @@ class PathMap:
             raise DivtraceError(f"--map: `rules` must be a list of rules, got {type(rules).__name__}")
         self.structure = [MapRule(r, f"rule {i + 1}") for i, r in enumerate(rules or [])]
         self.name = name
-        self.applied: list[str] = []  # "side: rule (why): N calls", for the report
+        self.applied: list[str] = []  # "side: rule: N calls"
+        self._rewritten: dict[int, tuple] = {}  # id(call dict) -> (the dict, hidden call ids, notes)
+        self._checked: set = set()
+        self._keep: list = []  # traces checked (their ids stay unique)
 
     @staticmethod
     def _compile(rules: dict, side: str):
@@ -145,17 +148,24 @@ class PathMap:
         return path
 
     # -- structural rules ---------------------------------------------------------------------------------------
-    def rewrite(self, side: str, trace: Trace) -> None:
-        """Apply the structural rules to `trace`'s call tree, in place (once per trace). Hidden and split calls
-        stay in `trace.calls` (records still name them) and are listed in `trace.hidden_calls`: pairing skips
-        them. Split calls' stand-ins get new call ids."""
+    def rewrite(self, side: str, trace) -> None:
+        """Apply the structural rules to the call tree of `trace` (a Trace, or a view of one root call of it such
+        as token alignment's TokenView), in place, once per call dict (views of one root call share theirs).
+        Hidden and split calls stay in `trace.calls` (records still name them) and are listed in
+        `trace.hidden_calls`: pairing skips them. Split calls' stand-ins get call ids beyond the whole trace's."""
         rules = [r for r in self.structure if r.side in (side, "both")]
-        if not rules or getattr(trace, "_map_rewritten", None) is self:
-            return
         calls = trace.calls
-        hidden = trace.__dict__.setdefault("hidden_calls", set())
-        notes = trace.__dict__.setdefault("map_notes", {})  # call id -> how the map made it comparable
-        next_id = max(calls, default=-1) + 1
+        done = self._rewritten.get(id(calls))
+        if done is None:
+            hidden: set[int] = set()
+            notes: dict[int, str] = {}
+            if rules:
+                whole = getattr(trace, "trace", trace)  # the trace a view narrows
+                self._apply(side, calls, rules, hidden, notes, max(max(whole.calls, default=-1), max(calls, default=-1)) + 1)
+            done = self._rewritten[id(calls)] = (calls, hidden, notes)  # (the dict kept alive: its id stays unique)
+        trace.hidden_calls, trace.map_notes = done[1], done[2]
+
+    def _apply(self, side, calls, rules, hidden, notes, next_id) -> None:
         counts: dict[str, int] = {}
         for cid in sorted(calls):
             c = calls[cid]
@@ -164,7 +174,6 @@ class PathMap:
             for r in rules:
                 if not r.applies(side, c):
                     continue
-                r.used[side] = True
                 counts[r.where] = counts.get(r.where, 0) + 1
                 if r.hide:
                     self._hide(calls, c)
@@ -194,37 +203,51 @@ class PathMap:
                 if r.outputs is not None:
                     c.outputs = r.rekey(c.outputs, r.outputs)
                 break  # the first rule that applies to a call is the one
-        trace._map_rewritten = self
-        why = {r.where: r for r in rules}
-        self.applied += [f"{side}: {w} ({why[w].module.pattern}): {n} calls" for w, n in counts.items()]
+        self.applied += [f"{side}: {w}: {n} calls" for w, n in counts.items()]
 
     @staticmethod
     def _replace(calls, c, new_ids: list) -> None:
+        """Put `new_ids` where `c` is among its parent's children (a new list: a view may share the old one)."""
         if c.parent is not None and c.parent in calls:
-            kids = calls[c.parent].children
+            p = calls[c.parent]
+            kids = list(p.children)
             i = kids.index(c.call_id)
             kids[i:i + 1] = new_ids
+            p.children = kids
 
     def _hide(self, calls, c) -> None:
         for ch in c.children:
-            calls[ch].parent = c.parent
-        self._replace(calls, c, list(c.children))
+            if ch in calls:
+                calls[ch].parent = c.parent
+        self._replace(calls, c, [ch for ch in c.children if ch in calls])
         if c.parent is not None and c.parent in calls:
             p = calls[c.parent]
             p.ops = sorted(p.ops + c.ops)
 
     def check_used(self, traces: dict) -> None:
-        """A map that names modules the traces do not have is bad input: say which (renames and rules)."""
+        """A map that names modules the traces do not have is bad input: say which (renames and rules). Checked
+        once per trace, on the whole trace (a view of one root call lacks the calls made outside it) before any
+        rule renamed a key."""
         for side, t in traces.items():
-            paths = {c.module for c in t.calls.values()}
+            whole = getattr(t, "trace", t)
+            if (side, id(whole)) in self._checked:
+                continue
+            self._checked.add((side, id(whole)))
+            self._keep.append(whole)
+            calls = list(whole.calls.values())
+            paths = {c.module for c in calls}
             for pat, _ in self.rules[side]:
                 if not any(pat.search(p) for p in paths):
                     raise DivtraceError(f"{self.name}: the rename {pat.pattern!r} (side {side}) matches no module of "
-                                        f"{t.path} (its modules: {', '.join(sorted(paths)[:6]) or 'none'}...)")
+                                        f"{whole.path} (its modules: {', '.join(sorted(paths)[:6]) or 'none'}...)")
+            for r in self.structure:
+                if r.side in (side, "both") and any(r.applies(side, c) for c in calls):
+                    r.used[side] = True
+        sides = set(traces)
         for r in self.structure:
-            sides = [s for s in ("a", "b") if r.side in (s, "both") and s in traces]
-            if sides and not r.optional and not any(r.used[s] for s in sides):
-                t = traces[sides[0]]
+            mine = [s for s in ("a", "b") if r.side in (s, "both") and s in sides]
+            if mine and not r.optional and not any(r.used[s] for s in mine):
+                t = getattr(traces[mine[0]], "trace", traces[mine[0]])
                 raise DivtraceError(f"{self.name}: {r.where} (module {r.module.pattern!r}, side {r.side}) matches no "
                                     f"module call of {t.path}; is it a trace of this stack?")
 
@@ -235,10 +258,10 @@ class Pairing:
     def __init__(self, a: Trace, b: Trace, path_map: PathMap | None = None):
         self.a, self.b = a, b
         self.map = path_map or PathMap()
-        self.map.rewrite("a", a)
-        self.map.rewrite("b", b)
         if path_map is not None:
             self.map.check_used({"a": a, "b": b})
+        self.map.rewrite("a", a)
+        self.map.rewrite("b", b)
         # Calls a structural rule hid or split get keys no call of the other side has: never paired.
         ha, hb = getattr(a, "hidden_calls", ()), getattr(b, "hidden_calls", ())
         self.keys_a = {cid: (self.map.apply("a", c.module), c.call) if cid not in ha else ("\0hidden a", cid)
