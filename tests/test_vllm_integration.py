@@ -120,9 +120,15 @@ def vllm_capture(model):
         elif kind == "LlamaDecoderLayer":
             def hook(mod, args, out, name=name):
                 put(name, None, out[0] + out[1])
-        elif kind == "LogitsProcessor":
-            def hook(mod, args, out):
-                put("lm_head", args[1], out)
+        elif kind == "RotaryEmbedding":  # one module shared by every layer, called once per layer per forward
+            calls = [0]
+            layers = sum(1 for n, _ in model.named_modules() if n.count(".") == 2 and n.startswith("model.layers."))
+
+            def hook(mod, args, out, calls=calls, layers=layers):
+                layer = calls[0] % layers
+                calls[0] += 1
+                put(f"model.layers.{layer}.self_attn.rotary_q", None, out[0])
+                put(f"model.layers.{layer}.self_attn.rotary_k", None, out[1])
         else:
             continue
         handles.append(m.register_forward_hook(hook))
@@ -157,30 +163,40 @@ def token_of_vllm_rows(steps, sequences):
     return out
 
 
-ORDER = ["model.embed_tokens"] + [f"model.layers.{i}.{m}" for i in range(2) for m in (
-    "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj:in",
-    "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj:in",
-    "mlp.down_proj", "")] + ["model.norm", "lm_head"]
+def _points():
+    """The oracle's comparison points in forward order: (captured name, 0 input / 1 output, the module bisect
+    must name when the runs part there, the op it must name (on either side), or None)."""
+    mm, rope, attn = "_C.onednn_mm.default", "_C.rotary_embedding.default", "vllm.unified_attention_with_output.default"
+    out = [("model.embed_tokens", 1, "model.embed_tokens", None)]
+    for i in range(2):
+        L = f"model.layers.{i}"
+        out += [(f"{L}.input_layernorm", 1, f"{L}.input_layernorm", None)]
+        out += [(f"{L}.self_attn.{p}", 1, f"{L}.self_attn.{p}", mm) for p in ("q_proj", "k_proj", "v_proj")]
+        # RoPE and attention are code of the attention block in HF (no module): the block is the origin
+        out += [(f"{L}.self_attn.rotary_{x}", 1, f"{L}.self_attn", rope) for x in "qk"]
+        out += [(f"{L}.self_attn.o_proj", 0, f"{L}.self_attn", attn), (f"{L}.self_attn.o_proj", 1, f"{L}.self_attn.o_proj", mm),
+                (f"{L}.post_attention_layernorm", 1, f"{L}.post_attention_layernorm", None)]
+        out += [(f"{L}.mlp.{p}", 1, f"{L}.mlp.{p}", mm) for p in ("gate_proj", "up_proj")]
+        out += [(f"{L}.mlp.down_proj", 0, f"{L}.mlp", None), (f"{L}.mlp.down_proj", 1, f"{L}.mlp.down_proj", mm),
+                (L, 1, L, None)]
+    return out + [("model.norm", 1, "model.norm", None)]
+
+
+POINTS = _points()
 
 
 def oracle(hf, vl, vl_tokens, hf_batches):
-    """The first (point, tokens) in forward order where some token's row differs; `point` is an ORDER entry.
-    hf_batches: per HF call, the (seq, position) of each [b, t] row (None for padding)."""
-    for point in ORDER:
-        name, _, which = point.partition(":")
-        name = name.rstrip(".")
-        k = 0 if which == "in" else 1
-        rows_hf = {}
+    """The first point of POINTS, in forward order, where some shared token's row differs, and those tokens
+    ((seq, position) pairs). hf_batches: per HF call, the (seq, position) of each [b, t] row (None: padding)."""
+    for point in POINTS:
+        name, k = point[0], point[1]
+        rows_hf, rows_vl = {}, {}
         for call, grid in zip(hf[name], hf_batches):
-            t = call[k]
             for (b, p), tok in grid.items():
                 if tok is not None:
-                    rows_hf[tok] = t[b, p]
-        rows_vl = {}
+                    rows_hf[tok] = call[k][b, p]
         for call, runs in zip(vl[name], vl_tokens):
-            # vLLM computes logits on the last row of each request only
-            toks = [run[-1] for run in runs] if name == "lm_head" else [t for run in runs for t in run]
-            for r, tok in enumerate(toks):
+            for r, tok in enumerate(t for run in runs for t in run):
                 rows_vl[tok] = call[k][r]
         shared = sorted(set(rows_hf) & set(rows_vl))
         assert shared, point
@@ -218,8 +234,26 @@ def recompute(model_dir, dtype, sequences, trace=None, mode="hash", micro_batch=
     """HF LlamaForCausalLM over prompt + response, right-padded micro-batches, as a trainer does."""
     from transformers import LlamaForCausalLM
 
+    from transformers.models.llama import modeling_llama
+
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     hf, handles = hf_capture(model)
+    layers = model.config.num_hidden_layers
+    original = modeling_llama.apply_rotary_pos_emb
+    seen = [0]
+
+    def rope(q, k, *args, **kwargs):  # RoPE is a function in HF: its results, [B, heads, T, d] -> [B, T, heads * d]
+        qe, ke = original(q, k, *args, **kwargs)
+        layer = seen[0] % layers
+        seen[0] += 1
+        for x, t in (("q", qe), ("k", ke)):
+            flat = t.detach().transpose(1, 2).reshape(t.shape[0], t.shape[2], -1).clone()
+            hf.setdefault(f"model.layers.{layer}.self_attn.rotary_{x}", []).append((None, flat))
+        return qe, ke
+
+    modeling_llama.apply_rotary_pos_emb = rope
+    handles.append(type("Undo", (), {"remove": staticmethod(
+        lambda: setattr(modeling_llama, "apply_rotary_pos_emb", original))})())
     grids = []
     calls = []
     for s in range(0, len(sequences), micro_batch):
@@ -274,18 +308,17 @@ def test_vllm_vs_hf_first_divergence_matches_hook_oracle(model_dir, tmp_path, dt
     code, d, _ = bisect_json(train_dir, rollout_dir, "--map", "vllm-hf", "--align", "tokens")
     assert code == 1 and d["verdict"] == "diverged" and d.get("alignment") == "tokens"
     first = d["first"]
-    name, _, which = point.partition(":")
-    name = name.rstrip(".")
-    # An input of o_proj/down_proj that differs was made by the parent's own code (attention, act * up).
-    expected_module = name.rsplit(".", 1)[0] if which == "in" else name
-    assert first["module"] == expected_module, (first, point)
-    if point.endswith("o_proj:in"):  # attention, inside HF's self_attn code and vLLM's hidden attn wrapper
-        assert "vllm.unified_attention_with_output.default" in (first.get("op"), first.get("op_b")), first
-    elif which != "in" and name.endswith(("_proj", "lm_head")):
-        assert "_C.onednn_mm.default" in (first.get("op"), first.get("op_b")), first
+    _, _, module, op = point
+    assert first["module"] == module, (first, point)
+    if op is not None:
+        assert op in (first.get("op"), first.get("op_b")), (first, point)
     tok = first["token"]
-    assert (tok["position"],) in {(p,) for _, p in differ}, (tok, differ)
-    assert min(p for _, p in differ) == tok["position"], (tok, differ)
+    first_ids = tok["seq"]["first_ids"]
+    owner = [i for i, seq in enumerate(sequences) if seq[:len(first_ids)] == first_ids]
+    assert len(owner) == 1 and (owner[0], tok["position"]) in differ, (tok, differ)
+    assert tok["position"] == min(p for _, p in differ), (tok, differ)
+    # every sequence position the oracle saw differ there is one bisect counts among the differing tokens
+    assert d["tokens"]["differing"] >= len(differ), (d["tokens"], len(differ))
 
 
 def test_vllm_vs_vllm_control_is_identical(model_dir, tmp_path):
