@@ -110,6 +110,8 @@ def engine_meta(llm) -> dict:
         "max_num_seqs": plain(getattr(sc, "max_num_seqs", None)),
         "async_scheduling": plain(getattr(sc, "async_scheduling", None)),
         "seed": plain(getattr(mc, "seed", None)),
+        # logits are computed after the forward, in this call, on the last row of each request (its own token grid)
+        "logits_module": "logits_processor",
         "device": plain(getattr(cfg.device_config, "device_type", None)),
         "env": {k: os.environ[k] for k in _ENV if k in os.environ},
     }}
@@ -129,6 +131,8 @@ class VllmRecorder(Recorder):
         super().__init__(runner.model, path, extra_meta=meta, **kwargs)
         self.llm, self.runner = llm, runner
         self._patched = False
+        self._logits = getattr(runner.model, "logits_processor", None)
+        self._logit_rows: list | None = None  # (id, position, request) of the rows the next logits call gets
         self._derive: dict[int, str] = {}
         for name, m in runner.model.named_modules():
             kind = type(m).__name__
@@ -183,18 +187,24 @@ class VllmRecorder(Recorder):
         for rid, s, e in zip(batch.req_ids[:n_reqs], starts, starts[1:]):
             seqs.extend([rid] * (e - s))
         n = ids.shape[0]
+        ids_l, pos_l = ids.tolist(), positions.tolist()
+        # vLLM computes logits after the forward, on the last scheduled row of each request (logits_indices)
+        self._logit_rows = [(ids_l[e - 1], pos_l[e - 1], rid) for rid, e in zip(batch.req_ids[:n_reqs], starts[1:])
+                            if 0 < e <= n]
         if len(seqs) != n:
             # Padded rows (CUDA-graph sizes, which are refused, or sequence-parallel padding): their own handle
             # so that they never chain to a real sequence.
             seqs = (seqs + ["<padding>"] * n)[:n]
         declare = getattr(self, "tokens", None)
         if declare is not None:
-            declare(ids.tolist(), positions.tolist(), seqs=seqs)
-        else:  # the token API is not in this divtrace: keep the rows in the trace's warnings-free meta
-            self._pending_tokens = (ids.tolist(), positions.tolist(), seqs)
+            declare(ids_l, pos_l, seqs=seqs)
+        else:
+            self._skip("this divtrace has no token API (rec.tokens): the vLLM forwards' token rows were not declared")
 
     # derived boundary values ------------------------------------------------------------------------------------
     def _enter(self, path, module, args, kwargs):
+        if module is self._logits and self._logit_rows is not None and hasattr(self, "tokens"):
+            self._logits_grid(path, args)
         kind = self._derive.get(id(module))
         if kind == "norm" and len(args) + len(kwargs) >= 2:
             x = args[0] if args else kwargs.get("x")
@@ -208,7 +218,29 @@ class VllmRecorder(Recorder):
             kwargs = {**kwargs, "divtrace_ids": args[0].to(torch.int64)}
         return super()._enter(path, module, args, kwargs)
 
+    def _logits_grid(self, path, args) -> None:
+        """Give the logits call a token grid of its own (the same tokens as the forward's last row of each
+        request), so its logits rows are fingerprinted per token like a root call's outputs."""
+        rows, self._logit_rows = self._logit_rows, None
+        hidden = args[1] if len(args) > 1 else None
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[0] != len(rows):
+            self._skip("a vLLM logits call whose rows are not the last row of each request (prompt logprobs or "
+                       "speculative decoding): its rows were not declared")
+            return
+        self.tokens([r[0] for r in rows], [r[1] for r in rows], seqs=[r[2] for r in rows])
+        self._grid = self._token_tracker.on_root_call(self._next_call_id, self._calls.get(path, 0), args, {},
+                                                      f"{path} call {self._calls.get(path, 0)}")
+        if self._grid is not None:
+            self._token_store.add_grid(self._grid)
+
     def _exit(self, module, output):
+        if module is self._logits and self._grid is not None:
+            try:
+                return super()._exit(module, output)
+            finally:
+                self._grid = None
+                self._rowed.clear()
+                self._token_store.flush()
         kind = self._derive.get(id(module))
         if kind is not None and isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
             extra = self._derived_outputs(kind, module, output)
