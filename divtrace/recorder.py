@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from divtrace.errors import DivtraceError
 from divtrace.fingerprint import dtype_name, fingerprint
 from divtrace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue
-from divtrace.settings import numerics_settings, run_environment
+from divtrace.settings import note_grad_mode, numerics_settings, run_environment
 from divtrace.tokens import layout as token_layout
 from divtrace.tokens.identity import TokenTracker
 from divtrace.tokens.rowhash import contiguous_row_hashes, row_hashes
@@ -219,7 +219,8 @@ class Recorder:
     """The context manager returned by `divtrace.record`."""
 
     def __init__(self, model, path, *, mode="full", ops=True, label=None, include=None, exclude=None,
-                 overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False):
+                 overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False,
+                 tokens=True, token_layouts=None):
         if not isinstance(model, torch.nn.Module):
             raise DivtraceError(f"record() needs a torch.nn.Module (or a vllm.LLM), got {type(model).__name__}")
         if mode not in ("full", "hash"):
@@ -249,10 +250,15 @@ class Recorder:
         self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (inference tensors)
         self._mode_obj = None
         self._my_handlers: dict = {}
+        self._tokens_on = bool(tokens)
+        self._token_layouts = token_layout.compile_overrides(token_layouts)
+        self._call_paths: dict[int, str] = {}  # call id -> module path (for token_layouts)
+        self._boundary_path: str | None = None  # the module whose inputs or outputs are being recorded
         self._token_tracker = TokenTracker()
         self._grid = None  # the token grid of the root call in progress (divtrace.tokens.identity.TokenGrid)
         self._token_store: TokenStoreWriter | None = None
         self._rowed: set[int] = set()  # vids whose token rows were looked at (the current root call's)
+        self._root_calls = 0  # calls of the recorded model seen (the first sets the grad-mode settings)
         self.warnings: list[str] = []
         self.writer: TraceWriter | None = None
 
@@ -312,6 +318,11 @@ class Recorder:
         g = self._grid
         self._rowed.add(vid)
         code = token_layout.infer(t.shape, g.shape, g.kv_len, root_output)
+        if self._token_layouts:
+            path = self._boundary_path
+            if path is None:
+                path = self._call_paths.get(self._stack[-1].call_id, "") if self._stack else ""
+            code = token_layout.override(self._token_layouts, path, t.shape, g.shape, code)
         if code is None:
             return
         if code in (token_layout.AMBIGUOUS, token_layout.CROSS):
@@ -639,6 +650,9 @@ class Recorder:
         self._stack.append(_Frame(call_id, module, excluded, sys.exc_info()[1], token))
 
     def _enter(self, path, module, args, kwargs):
+        if module is self.model:
+            note_grad_mode(self.writer.meta.setdefault("settings", {}), first=not self._root_calls)
+            self._root_calls += 1
         if module is self.model and self._stack:
             # A new call of the root while calls are open: they were left by an interrupt the caller caught.
             while self._stack:
@@ -653,7 +667,7 @@ class Recorder:
             self._push(None, module, False)
             return
         call = self._calls.get(path, 0)
-        if module is self.model:
+        if module is self.model and self._tokens_on:
             # (before the call is counted: a declaration that does not fit the call is the caller's error)
             self._grid = self._token_tracker.on_root_call(self._next_call_id, call, args, kwargs,
                                                           f"root call {call} of {type(module).__name__}")
@@ -664,10 +678,15 @@ class Recorder:
         self._next_call_id += 1
         values: list = []
         pairs = []
-        for key, t in flatten_tensors(args, "args", []) + flatten_tensors(kwargs, "kwargs", []):
-            t = self._plain(t, path or "<root>")
-            if t is not None:
-                pairs.append((key, self._vid_of(t, values, boundary=True)))
+        if self._token_layouts:
+            self._call_paths[call_id] = self._boundary_path = path
+        try:
+            for key, t in flatten_tensors(args, "args", []) + flatten_tensors(kwargs, "kwargs", []):
+                t = self._plain(t, path or "<root>")
+                if t is not None:
+                    pairs.append((key, self._vid_of(t, values, boundary=True)))
+        finally:
+            self._boundary_path = None
         rec = ModuleEnter(self._take_index(), call_id, path, call, self._recorded_parent(), pairs)
         self._push(call_id, module, False)
         self.writer.append(rec, values)
@@ -700,13 +719,18 @@ class Recorder:
             return
         values: list = []
         pairs = []
-        for key, t in flatten_tensors(output, "out", []):
-            t = self._plain(t, "output")
-            if t is not None:
-                vid = self._vid_of(t, values, boundary=True, root_output=root)
-                if root and vid not in self._rowed:  # made by an op before it was known to be the output
-                    self._token_rows(vid, t, root_output=True)
-                pairs.append((key, vid))
+        if self._token_layouts:
+            self._boundary_path = self._call_paths.get(frame.call_id, "")
+        try:
+            for key, t in flatten_tensors(output, "out", []):
+                t = self._plain(t, "output")
+                if t is not None:
+                    vid = self._vid_of(t, values, boundary=True, root_output=root)
+                    if root and vid not in self._rowed:  # made by an op before it was known to be the output
+                        self._token_rows(vid, t, root_output=True)
+                    pairs.append((key, vid))
+        finally:
+            self._boundary_path = None
         self.writer.append(ModuleExit(self._take_index(), frame.call_id, pairs), values)
 
     def _pop(self) -> _Frame:
@@ -856,7 +880,8 @@ class _OpMode(TorchDispatchMode):
 
 
 def record(model, path, *, mode="full", ops=True, label=None, include=None, exclude=None, overwrite=False,
-           shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False) -> Recorder:
+           shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False, tokens=True,
+           token_layouts=None) -> Recorder:
     """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
     `model` is a `torch.nn.Module`, or a `vllm.LLM` (in-process, eager: see divtrace/engines/vllm.py).
 
@@ -870,13 +895,21 @@ def record(model, path, *, mode="full", ops=True, label=None, include=None, excl
     default because fsync on a busy disk can stall for hundreds of milliseconds, and a trace cut short that
     way reads as an error, never as a wrong trace.
 
+    Token identity (for `bisect --align tokens`): HF-style root calls (`input_ids` with `attention_mask`,
+    `position_ids`, a cache; `model.generate()`) are read automatically; engines and custom loops declare each
+    root call's tokens with `rec.tokens(ids, positions, seqs)`. Each token row of every recorded tensor then gets an
+    8-byte fingerprint beside the whole-tensor one. `tokens=False` records none of it. `token_layouts` overrides
+    the inferred token dims where a shape fools the inference: `{module path regex: "bt" | "bht" | "n" | "none"}`
+    applies to the values made inside a matching module and to its inputs and outputs.
+
     Example::
 
         with divtrace.record(model, "runs/train", mode="hash", label="train"):
             model(input_ids)
     """
     kwargs = dict(mode=mode, ops=ops, label=label, include=include, exclude=exclude, overwrite=overwrite,
-                  shard_bytes=shard_bytes, extra_meta=extra_meta, flush_records=flush_records, durable=durable)
+                  shard_bytes=shard_bytes, extra_meta=extra_meta, flush_records=flush_records, durable=durable,
+                  tokens=tokens, token_layouts=token_layouts)
     if not isinstance(model, torch.nn.Module):  # an inference engine (a vllm.LLM): its adapter, if there is one
         from divtrace.engines import engine_recorder
 

@@ -71,8 +71,10 @@ def test_batch_dependent_matmul_is_named_with_its_rows(down_proj_traces, mode):
     assert tok["seq"]["first_ids"] == tc.prompts()[0][:8]
     # every token the rollout generated from (2 prompts of 12 and 16, 3 decode steps) is shared; the trainer
     # also recomputes the last sampled token, which the rollout never fed back
+    nrc = d["tokens"].pop("not_row_compared")
     assert d["tokens"] == {"shared": 34, "only_a": 2, "only_b": 0, "differing": 6, "final_compared": 6,
                            "final_differing": 6, "walked": 6}
+    assert nrc["a"] > 0 and nrc["b"] > 0  # the 4-D attention masks
     assert [o["module"] for o in d["origins"]] == ["model.layers.1.mlp.down_proj"] and d["origins"][0]["tokens"] == 6
     fin = d["final"]
     assert fin["tokens_compared"] == 6 and fin["tokens_differing"] == 6
@@ -310,3 +312,61 @@ def test_a_stopped_trainer_is_never_identical(tmp_path):
             raise RuntimeError("preempted")
     r = bisect(tmp_path / "train", tmp_path / "roll")
     assert r.verdict != "identical" and r.exit_code != 0
+
+
+def test_layout_inference_and_overrides(tmp_path):
+    from divtrace.tokens import layout
+
+    g = [2, 5]
+    assert layout.infer((2, 5, 8), g, 5) == "bt" and layout.infer((10, 8), g, 5) == "n"
+    assert layout.infer((2, 4, 5, 8), g, 5) == "bht" and layout.infer((2, 4, 5, 5), g, 5) == "x"
+    assert layout.infer((2, 5, 5, 8), g, 5) == "?"  # heads == T: [B, H, T, d] or [B, T, H, d]?
+    assert layout.infer((2, 1, 8), g, 5) is None and layout.infer((2, 1, 8), g, 5, root_output=True) == "last1"
+    assert layout.infer((2, 1, 8), [2, 1], 7) == "bt" and layout.infer((2, 4, 1, 8), [2, 1], 7) == "bht"
+    assert layout.infer((2, 1, 1, 7), [2, 1], 7) == "x"  # a decode step's 4-D mask
+    e = FlatEngine()
+    with pytest.raises(DivtraceError, match=r"token_layouts\['proj'\] = 'bt' does not fit a tensor of shape \[3, 64\]"):
+        with torch.no_grad(), divtrace.record(e, tmp_path / "o1", mode="hash", token_layouts={"proj": "bt"}) as rec:
+            rec.tokens([1, 2, 3], [0, 1, 2])
+            e(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]))
+    with pytest.raises(DivtraceError, match="'xy' is not a layout"):
+        divtrace.record(e, tmp_path / "o2", token_layouts={"proj": "xy"})
+    with torch.no_grad(), divtrace.record(e, tmp_path / "o3", mode="hash", token_layouts={"^proj$": "none"}) as rec:
+        rec.tokens([1, 2, 3], [0, 1, 2])
+        e(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]))
+    from divtrace.trace.reader import Trace
+    from divtrace.tokens.store import TokenIndex
+
+    t, idx = Trace(tmp_path / "o3"), TokenIndex(tmp_path / "o3").index
+    proj = next(c for c in t.calls.values() if c.module == "proj")
+    norm = next(c for c in t.calls.values() if c.module == "norm")
+    assert proj.outputs[0][1] not in idx and norm.outputs[0][1] in idx
+    with torch.no_grad(), divtrace.record(e, tmp_path / "o4", mode="hash", tokens=False) as rec:
+        e(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]))
+    assert not (tmp_path / "o4" / "tokens.jsonl").exists()
+
+
+def test_row_fingerprints_c_and_torch_agree_and_see_every_bit():
+    from divtrace.tokens import rowhash
+
+    if rowhash._native_rows is None:
+        pytest.skip("the C kernel is not built here")
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool, torch.float64):
+        for cols in (1, 13, 14, 16, 1030):
+            x = (torch.randn(5, cols, generator=g) * 50).to(dtype)
+            c = rowhash.row_hashes(x)
+            native, rowhash._native_rows = rowhash._native_rows, None
+            try:
+                t = rowhash.row_hashes(x)
+            finally:
+                rowhash._native_rows = native
+            assert (c == t).all(), (dtype, cols)
+    x = torch.zeros(3, 4)
+    y = x.clone()
+    y[1, 2] = -0.0  # one bit: the sign of a zero
+    hx, hy = rowhash.row_hashes(x), rowhash.row_hashes(y)
+    assert hx[0] == hy[0] and hx[2] == hy[2] and hx[1] != hy[1]
+    nan1 = torch.tensor([[float("nan")]]).view(torch.int32)
+    nan2 = (nan1 | 1).view(torch.float32)  # another NaN payload: another row
+    assert rowhash.row_hashes(nan1.view(torch.float32))[0] != rowhash.row_hashes(nan2)[0]

@@ -3,16 +3,50 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Annotated
 
 import typer
 
 from divtrace.errors import DivtraceError
 
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}  # inherited by every command and sub-command
+
 app = typer.Typer(
     name="divtrace", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-    help="Find where an inference run and a training run of the same model first diverge, bit for bit.\n\n"
-         "Workflow: record each side -> bisect -> repro -> verify a fix.",
+    context_settings=HELP_OPTIONS,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        import divtrace
+
+        typer.echo(f"divtrace {divtrace.__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_version,
+                                          help="print divtrace's version and exit")] = False,
+) -> None:
+    """Find where an inference run and a training run of the same model first diverge, bit for bit.
+
+    Workflow: record each side -> bisect -> repro -> verify a fix. Exit codes: 0 identical (or the fix holds),
+    1 diverged (or still differs), 2 bad input, 3 inconclusive. The interface: docs/contract.md.
+    """
+
+
+def reflow(doc: str | None) -> str | None:
+    """A docstring as help text: the lines of each paragraph joined into one (the terminal wraps it, so no
+    sentence breaks where the source line ended); paragraphs starting with \\b (examples) are kept line by line."""
+    if not doc:
+        return doc
+    import inspect
+
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(p if p.lstrip().startswith("\b") else " ".join(x.strip() for x in p.splitlines())
+                       for p in paragraphs)
 
 
 def _optional(name: str):
@@ -27,22 +61,29 @@ def _optional(name: str):
         return None
 
 
+def _command(typer_app, name: str, fn) -> None:
+    typer_app.command(name, help=reflow(fn.__doc__))(fn)
+
+
 def _register() -> None:
     from divtrace.cli import bisect_cmd, record_cmd, show_cmd
 
-    app.command("record")(record_cmd.record)
-    app.command("show")(show_cmd.show)
-    app.command("bisect")(bisect_cmd.bisect)
+    _command(app, "record", record_cmd.record)
+    _command(app, "show", show_cmd.show)
+    _command(app, "bisect", bisect_cmd.bisect)
     for name in ("repro", "verify"):
         mod = _optional(f"{name}_cmd")
         if mod is not None:
-            app.command(name)(getattr(mod, name))
+            _command(app, name, getattr(mod, name))
     skill = _optional("skill_cmd")
     if skill is not None:
+        for info in skill.app.registered_commands:
+            info.help = reflow(info.help or info.callback.__doc__)
         app.add_typer(skill.app, name="skill")
 
 
 _register()
+app.registered_callback.help = reflow(_root.__doc__)
 
 
 def _click_exceptions():

@@ -97,7 +97,9 @@ def render_bisect(o: Output, r) -> None:
         if f["metrics_available"] and f["mismatched"] is not None:
             rows += [["mismatched", f"{f['mismatched']} of {f['numel']} elements"],
                      ["max abs / max rel", f"{f['max_abs']:.6g} / {f['max_rel']:.6g}" if f["max_abs"] is not None else "-"],
-                     ["max ULP", f["max_ulp"]],
+                     ["max ULP", f["max_ulp"] if not f.get("sign_flips") else
+                      f"{f['max_ulp']} where the signs agree; {f['sign_flips']} sign flips (through zero: "
+                      f"{f['max_ulp_raw']})"],
                      ["first mismatch", f"index {f['first_index']}: a={f['first_a']} ({f['first_a_bits']})  "
                                         f"b={f['first_b']} ({f['first_b_bits']})"]]
         elif f.get("reason"):
@@ -134,7 +136,7 @@ def render_bisect(o: Output, r) -> None:
 def bisect(
     a: Annotated[Path, typer.Argument(metavar="A", help="trace of side a (e.g. training)")],
     b: Annotated[Path, typer.Argument(metavar="B", help="trace of side b (e.g. inference)")],
-    json_out: Annotated[bool, typer.Option("--json", help="machine-readable result (see CONTRACT)")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="machine-readable result (keys: docs/json.md)")] = False,
     atol: Annotated[Optional[float], typer.Option(help="opt-in absolute tolerance")] = None,
     rtol: Annotated[Optional[float], typer.Option(help="opt-in relative tolerance")] = None,
     ulp: Annotated[Optional[int], typer.Option(help="opt-in tolerance in ULPs")] = None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from divtrace.records import json_safe
@@ -24,7 +25,7 @@ class Output:
         if self._console is None:
             from rich.console import Console
 
-            self._console = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
+            self._console = Console(highlight=False, soft_wrap=False, width=_width(sys.stdout))
         return self._console
 
     @property
@@ -32,7 +33,7 @@ class Output:
         if self._err is None:
             from rich.console import Console
 
-            self._err = Console(stderr=True, highlight=False)
+            self._err = Console(stderr=True, highlight=False, width=_width(sys.stderr))
         return self._err
 
     def json(self, obj) -> None:
@@ -69,6 +70,20 @@ class Output:
         for r in rows:
             t.add_row(*[_esc(_fmt(v)) for v in r])
         self.console.print(t)
+
+
+def _width(stream) -> int | None:
+    """COLUMNS when set (also when the output is a pipe or a file), else the terminal's width, else 120."""
+    try:
+        cols = int(os.environ.get("COLUMNS", ""))
+        if cols > 0:
+            return cols
+    except ValueError:
+        pass
+    try:
+        return None if stream.isatty() else 120
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return 120
 
 
 def _esc(s: str) -> str:

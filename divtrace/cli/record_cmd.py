@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -13,13 +13,14 @@ from divtrace.errors import DivtraceError
 def record(
     entry: Annotated[str, typer.Argument(metavar="ENTRY", help="path/file.py:function or pkg.module:function returning (model, inputs)")],
     out: Annotated[Path, typer.Option("--out", "-o", help="trace directory to create")],
-    mode: Annotated[str, typer.Option(help="full (tensors) or hash (bit-exact fingerprints only)")] = "full",
+    mode: Annotated[Literal["full", "hash"], typer.Option(help="full (tensors) or hash (bit-exact fingerprints only)")] = "full",
     no_ops: Annotated[bool, typer.Option("--no-ops", help="record module boundaries only, not aten ops")] = False,
     include: Annotated[Optional[str], typer.Option(help="regex over module paths: record only these (and their children)")] = None,
     exclude: Annotated[Optional[str], typer.Option(help="regex over module paths: skip these subtrees")] = None,
     label: Annotated[Optional[str], typer.Option(help="run label, e.g. train or infer (default: directory name)")] = None,
     arg: Annotated[Optional[list[str]], typer.Option("--arg", help="key=value passed to the ENTRY function (repeatable)")] = None,
-    grad_mode: Annotated[str, typer.Option(help="no_grad, inference or grad")] = "no_grad",
+    grad_mode: Annotated[Literal["no_grad", "inference", "grad"], typer.Option(
+        help="the autograd mode the forward runs under (torch.no_grad, torch.inference_mode, grad enabled)")] = "no_grad",
     overwrite: Annotated[bool, typer.Option(help="replace a trace already in --out")] = False,
     durable: Annotated[bool, typer.Option(help="fsync the trace at close, so it survives an OS crash right after")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable summary")] = False,

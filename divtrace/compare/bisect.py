@@ -165,8 +165,8 @@ class Divergence:
              "region_a": [{"index": i, "op": o} for i, o in self.region_a],
              "region_b": [{"index": i, "op": o} for i, o in self.region_b], "outside_input": self.outside_input}
         m = self.diff.to_dict() if self.diff is not None else {}
-        for k in ("reason", "max_abs", "max_ulp", "max_rel", "mismatched", "nan_mismatch", "first_index", "first_a", "first_b",
-                  "first_a_bits", "first_b_bits"):
+        for k in ("reason", "max_abs", "max_ulp", "max_ulp_raw", "sign_flips", "max_rel", "mismatched", "nan_mismatch",
+                  "first_index", "first_a", "first_b", "first_a_bits", "first_b_bits"):
             d[k] = m.get(k)
         d["metrics_available"] = self.diff is not None
         return d

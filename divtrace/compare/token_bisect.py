@@ -225,19 +225,19 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
               "differing": n_diff, "final_compared": final_compared, "final_differing": final_bad,
               "walked": len(picked)}
     warnings = []
+    # values whose token rows cannot be compared row by row: attention scores and 4-D masks (they lay the other
+    # tokens out per call), ambiguous shapes; counted, not warned of (every decode step has them)
+    tokens["not_row_compared"] = {side: sum(((t.meta.get("tokens") or {}).get("compared_whole") or {}).values())
+                                  for side, t in (("a", ta), ("b", tb))}
     if tokens["only_a"] or tokens["only_b"]:
         warnings.append(f"{tokens['only_a']} tokens only in a and {tokens['only_b']} only in b were not compared "
-                        f"({len(shared)} shared)")
+                        f"({len(shared)} shared; a rollout never feeds back its last sampled token, which a trainer "
+                        "recomputes)")
     for t in (ta, tb):
         if not t.complete:
             warnings.append(f"trace {t.path} is incomplete (status: {t.meta.get('status')}): only what ran before it "
                             "stopped is compared")
         warnings += [f"{t.path} (recording): {w}" for w in t.meta.get("warnings") or [] if isinstance(w, str)]
-        whole = (t.meta.get("tokens") or {}).get("compared_whole") or {}
-        if whole:
-            warnings.append(f"{t.path}: {sum(whole.values())} values hold token rows that cannot be compared row by "
-                            "row (attention scores or masks, which lay the other tokens out per call; or an ambiguous "
-                            "shape) and were not compared")
     complete = ta.complete and tb.complete
     reason = None
     if first is not None:

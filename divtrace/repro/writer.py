@@ -18,7 +18,7 @@ import torch
 
 from divtrace.compare.align import PathMap
 from divtrace.errors import DivtraceError
-from divtrace.repro import codegen
+from divtrace.repro import codegen, seqlen
 from divtrace.repro.region import (RANDOM_OPS, Side, Target, build_side, check_values, common_suffix_start,
                                    find_target, op_short, _value_key)
 from divtrace.settings import APPLICABLE, numerics_settings
@@ -310,15 +310,16 @@ class _Script:
                 lead == b or (marking == "multiple" and lead % b == 0))
             sp["batch_dim"] = 0 if ok else None
 
-    def build(self, symbolic: bool, creation: bool = False):
+    def build(self, symbolic: bool, creation: bool = False, seq: int | None = None):
         codes, customs = {}, []
+        s_input = seqlen.seq_input(self.specs) if seq is not None else None
         for s, side in self.sides.items():
             names = self.inp.names[s]
             sites = codegen.symbolic_sites(side, self.batch, creation) if symbolic and self.batch else set()
             batch_input = next((names[v] for v in side.leaves if self.specs[names[v]]["batch_dim"] == 0
                                 and self.specs[names[v]]["shape"][0] == self.batch), None)
             codes[s] = codegen.gen_side(s, side, names, self.names, self.relayout[s], self.device, self.batch, sites,
-                                        batch_input)
+                                        batch_input, seq=seq, seq_input=s_input)
             customs += [c for c in codes[s].custom_ops if c not in customs]
         found, missing = _custom_imports(customs, [t.meta for t in self.traces.values()], self.imports)
         src = codegen.render(device=self.device, origin=self.origin, input_names=self.names, specs=self.specs,
@@ -357,7 +358,7 @@ def _write(out: Path, ta: Trace, tb: Trace, target: Target, sides: dict[str, Sid
     src, codes, found, missing = sc.build(symbolic=False)
     fid = _check(path, src)[1]
     # The batch-symbolic version is kept only if it reproduces too and both sides run at another batch size.
-    symbolic = False
+    symbolic, chosen_creation = False, False
     if all(r["ok"] for r in fid.values()) and sc.batch is not None:
         why = "no input has the batch as its leading dim"
         for marking, creation in (("multiple", True), ("multiple", False), ("exact", True), ("exact", False)):
@@ -369,12 +370,28 @@ def _write(out: Path, ta: Trace, tb: Trace, target: Target, sides: dict[str, Sid
             why = (_batch_runs(cns, specs, sc.batch, sc.out_shapes) if all(r["ok"] for r in cfid.values())
                    else "the batch-symbolic version does not reproduce")
             if why is None:
-                (src, codes, found, missing), fid, symbolic = cand, cfid, True
+                (src, codes, found, missing), fid, symbolic, chosen_creation = cand, cfid, True, creation
                 break
         if not symbolic:
             sc.mark_batch("exact")
             src, codes, found, missing = sc.build(symbolic=False)
             notes.append(f"the region's code keeps the recorded shapes (batch {sc.batch}): {why}")
+    # The sequence length too (divtrace/repro/seqlen.py): kept only if it reproduces and runs at another length.
+    seq = seqlen.seq_len(specs, sc.batch) if all(r["ok"] for r in fid.values()) else None
+    seq_symbolic = False
+    if seq is not None:
+        seqlen.mark(specs, seq)
+        cand = sc.build(symbolic=symbolic, creation=chosen_creation, seq=seq)
+        cns, cfid = _check(path, cand[0])
+        why = (seqlen.runs(cns, specs, seq, sc.out_shapes) if all(r["ok"] for r in cfid.values())
+               else "the sequence-symbolic version does not reproduce")
+        if why is None:
+            (src, codes, found, missing), fid, seq_symbolic = cand, cfid, True
+        else:
+            seqlen.mark(specs, None)
+            notes.append(f"the region's code keeps the recorded sequence length ({seq}): {why}")
+    else:
+        seqlen.mark(specs, None)
     path.write_text(src)
     explanation = []
     for s in ("a", "b"):
@@ -394,6 +411,8 @@ def _write(out: Path, ta: Trace, tb: Trace, target: Target, sides: dict[str, Sid
         "fidelity_errors": {s: fid[s]["error"] for s in ("a", "b") if not fid[s]["ok"]},
         "batch_symbolic": symbolic,
         "batch": sc.batch,
+        "seq_symbolic": seq_symbolic,
+        "seq": seq,
         "warnings": target.warnings,
     }
     (out / "manifest.json").write_text(json.dumps(_finite(manifest), indent=2))

@@ -97,3 +97,54 @@ def row_shape(shape, code: str) -> tuple:
     if code == "bht":
         return (shape[1],) + tuple(shape[3:])
     return tuple(shape[2:])
+
+
+OVERRIDE_CODES = ("bt", "bht", "n", "none")
+
+
+def compile_overrides(spec) -> list:
+    """`token_layouts={regex: code}` of `divtrace.record` as [(compiled regex, code)]; a one-line error otherwise."""
+    import re
+
+    from divtrace.errors import DivtraceError
+
+    if not spec:
+        return []
+    if not isinstance(spec, dict):
+        raise DivtraceError(f"token_layouts must map module path regexes to one of {OVERRIDE_CODES}, got "
+                            f"{type(spec).__name__}")
+    out = []
+    for pat, code in spec.items():
+        if code not in OVERRIDE_CODES:
+            raise DivtraceError(f"token_layouts[{pat!r}]: {code!r} is not a layout; use one of {OVERRIDE_CODES}")
+        try:
+            out.append((re.compile(pat), code))
+        except re.error as e:
+            raise DivtraceError(f"token_layouts: bad regex {pat!r}: {e}") from None
+    return out
+
+
+def override(rules: list, path: str, shape, grid_shape: list[int], inferred: str | None) -> str | None:
+    """The layout a `token_layouts` rule gives a value of module `path`: the rule's where the shape fits it; none
+    where neither the rule nor the inference finds token rows; an error where the inference finds token rows the
+    rule cannot describe (the override does not fit the call)."""
+    for pat, code in rules:
+        if pat.search(path):
+            if code == "none":
+                return None
+            fits = {"bt": len(grid_shape) == 2 and len(shape) >= 2 and list(shape[:2]) == list(grid_shape),
+                    "bht": len(grid_shape) == 2 and len(shape) >= 3 and shape[0] == grid_shape[0]
+                    and shape[2] == grid_shape[1],
+                    "n": len(shape) >= 1 and shape[0] == row_count("n", grid_shape)}[code]
+            if fits:
+                return code
+            if inferred is None:
+                return None  # no token rows at all (a weight's view made inside the module): nothing to override
+            if not fits:
+                from divtrace.errors import DivtraceError
+
+                raise DivtraceError(f"token_layouts[{pat.pattern!r}] = {code!r} does not fit a tensor of shape "
+                                    f"{list(shape)} in module {path or '<root>'!r}: the call's token grid is "
+                                    f"{list(grid_shape)}")
+            return code
+    return inferred

@@ -1,9 +1,11 @@
-"""One 64-bit fingerprint per token row (scheme "rowlane-wsum64"; the C kernel divtrace/_rows.c, else torch).
+"""One 64-bit fingerprint per token row (scheme "rowlane-wsum2x32"; the C kernel divtrace/_rows.c, else torch).
 
 A row's raw bytes, row-major, are cut into lanes of 4, 2 or 1 bytes (the widest that divides the row's byte
-count), each a signed little-endian integer x[i]; S = sum x[i] * W[i] mod 2**64 with fixed odd weights, then a
-splitmix64 finalizer of S xor a tag of the byte count. Any change of one lane changes S (odd weights are units
-mod 2**64). Rows are compared only with rows of the same dtype and row shape, which the key carries beside it.
+count), each a signed little-endian integer x[i]; S = sum x[i] * U[i] and T = sum x[i] * V[i] mod 2**32 with two
+sets of fixed odd 32-bit weights, then a splitmix64 finalizer of (S << 32 | T) xor a tag of the byte count. Any
+change of one lane changes both sums (odd weights are units mod 2**32); two independent 32-bit sums make a
+random collision about as likely as one 64-bit sum's. Rows are compared only with rows of the same dtype and row
+shape, which the key carries beside it.
 """
 from __future__ import annotations
 
@@ -15,22 +17,34 @@ try:
 except ImportError:  # built without a C compiler: torch ops compute the same numbers
     _native_rows = None
 
-ROW_SCHEME = "rowlane-wsum64"
+ROW_SCHEME = "rowlane-wsum2x32"
 _CHUNK = 4096
-_weights = torch.empty(0, dtype=torch.int64)
+_weights = torch.empty(2, 0, dtype=torch.int64)  # U, V: odd 32-bit weights (held as int64 for the torch path)
+_packed: dict[int, torch.Tensor] = {}  # lanes -> uint32 [U[:lanes], V[:lanes]] for the C kernel
 _M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
 
 
 def _weights_for(n: int) -> torch.Tensor:
-    """At least n odd int64 weights; chunk c is drawn from its own seed, so weight i never depends on n."""
+    """[2, >= n] odd 32-bit weights (as int64); chunk c is drawn from its own seed, so weight i never depends on n."""
     global _weights
-    if _weights.numel() < n:
+    if _weights.shape[1] < n:
         chunks = [_weights]
-        for c in range(_weights.numel() // _CHUNK, -(-n // _CHUNK)):
+        for c in range(_weights.shape[1] // _CHUNK, -(-n // _CHUNK)):
             g = torch.Generator().manual_seed(0x70C3 + c)
-            chunks.append(torch.randint(-(2**62), 2**62, (_CHUNK,), generator=g, dtype=torch.int64) * 2 + 1)
-        _weights = torch.cat(chunks)
+            chunks.append(torch.randint(0, 2**31, (2, _CHUNK), generator=g, dtype=torch.int64) * 2 + 1)
+        _weights = torch.cat(chunks, dim=1)
     return _weights
+
+
+def _packed_for(lanes: int) -> torch.Tensor:
+    """U[:lanes] then V[:lanes] as contiguous uint32 (the C kernel's layout), cached per lane count."""
+    w = _packed.get(lanes)
+    if w is None:
+        u = _weights_for(max(lanes, 1))[:, :lanes]
+        w = torch.from_numpy(u.numpy().astype(np.uint32).reshape(-1).copy())
+        if len(_packed) < 4096:
+            _packed[lanes] = w
+    return w
 
 
 def _mix(s: np.ndarray, rowbytes: int) -> np.ndarray:
@@ -49,7 +63,7 @@ def contiguous_row_hashes(x: torch.Tensor, rows: int) -> np.ndarray | None:
         return None
     rowbytes = x.numel() * x.element_size() // rows
     lane = 4 if rowbytes % 4 == 0 else 2 if rowbytes % 2 == 0 else 1
-    w = _weights_for(max(rowbytes // lane, 1))
+    w = _packed_for(rowbytes // lane)
     out = np.empty(rows, dtype=np.uint64)
     _native_rows.row_hashes(x.data_ptr(), rows, rowbytes, rowbytes, w.data_ptr(), out.ctypes.data)
     return out
@@ -69,19 +83,20 @@ def row_hashes(rows: torch.Tensor) -> np.ndarray:
         x = x.contiguous()
     rowbytes = x.shape[1] * x.element_size()
     lane = 4 if rowbytes % 4 == 0 else 2 if rowbytes % 2 == 0 else 1
-    w = _weights_for(max(rowbytes // lane, 1))
     if _native_rows is not None and x.is_cpu and x.layout == torch.strided:
         x = x.contiguous()
+        w = _packed_for(rowbytes // lane)
         out = np.empty(r, dtype=np.uint64)
         _native_rows.row_hashes(x.data_ptr(), r, rowbytes, rowbytes, w.data_ptr(), out.ctypes.data)
         return out
     lanes = x.contiguous().view(torch.uint8).reshape(r, rowbytes)
     lanes = lanes.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[lane]).to(torch.int64)
-    w = w[: rowbytes // lane].to(lanes.device)
+    w = _weights_for(max(rowbytes // lane, 1))[:, : rowbytes // lane].to(lanes.device)
     if not rowbytes:
-        s = torch.zeros(r, dtype=torch.int64)
+        st = torch.zeros(2, r, dtype=torch.int64)
     elif lanes.is_cpu:
-        s = lanes @ w
+        st = torch.stack([lanes @ w[0], lanes @ w[1]])
     else:  # no int64 matmul on accelerators; the products wrap mod 2**64 the same way
-        s = (lanes * w).sum(1)
-    return _mix(s.cpu().numpy().view(np.uint64), rowbytes)
+        st = torch.stack([(lanes * w[0]).sum(1), (lanes * w[1]).sum(1)])
+    low = st.cpu().numpy().view(np.uint64) & np.uint64(0xFFFFFFFF)  # (sum mod 2**64) mod 2**32: the 32-bit sums
+    return _mix((low[0] << np.uint64(32)) | low[1], rowbytes)

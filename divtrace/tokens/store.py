@@ -3,7 +3,8 @@
 - tokens.jsonl: one line per root call with token identity: {"c": call id, "n": root call number, "shape": grid,
   "kv": key/value length, "src": "hf"|"declared", "keys", "pos", "ids", "fed", "seq"} (lists, one entry per
   cell), preceded by {"S": sequence number, "first": first ids} for each sequence that starts in that call.
-- rows.bin: little-endian uint64 row fingerprints (divtrace.tokens.rowhash), 8 bytes per token row.
+- rows.bin: little-endian uint64 row fingerprints (divtrace.tokens.rowhash, scheme in meta tokens.row_scheme), 8
+  bytes per token row.
 - rows.jsonl: one line per value with token rows: [vid, call id, layout code, offset in rows.bin (in rows)].
   Values whose shape is ambiguous are listed with their code ("?" or "x") and offset -1.
 
@@ -83,7 +84,9 @@ class TokenStoreWriter:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-        return {"grids": self.grids, "values_with_rows": self.values, "rows": self.rows,
+        from divtrace.tokens.rowhash import ROW_SCHEME
+
+        return {"row_scheme": ROW_SCHEME, "grids": self.grids, "values_with_rows": self.values, "rows": self.rows,
                 "compared_whole": dict(self.unrowed)}
 
 
