@@ -196,6 +196,8 @@ class VllmRecorder(Recorder):
             # so that they never chain to a real sequence.
             seqs = (seqs + ["<padding>"] * n)[:n]
         declare = getattr(self, "tokens", None)
+        if not getattr(self, "_tokens_on", True):  # record(..., tokens=False)
+            return
         if declare is not None:
             declare(ids_l, pos_l, seqs=seqs)
         else:
@@ -203,7 +205,7 @@ class VllmRecorder(Recorder):
 
     # derived boundary values ------------------------------------------------------------------------------------
     def _enter(self, path, module, args, kwargs):
-        if module is self._logits and self._logit_rows is not None and hasattr(self, "tokens"):
+        if module is self._logits and self._logit_rows is not None and getattr(self, "_tokens_on", False):
             self._logits_grid(path, args)
         kind = self._derive.get(id(module))
         if kind == "norm" and len(args) + len(kwargs) >= 2:
