@@ -191,12 +191,14 @@ class VllmRecorder(Recorder):
         # vLLM computes logits after the forward, on the last scheduled row of each request (logits_indices)
         self._logit_rows = [(ids_l[e - 1], pos_l[e - 1], rid) for rid, e in zip(batch.req_ids[:n_reqs], starts[1:])
                             if 0 < e <= n]
-        if len(seqs) != n:
-            # Padded rows (CUDA-graph sizes, which are refused, or sequence-parallel padding): their own handle
-            # so that they never chain to a real sequence.
-            seqs = (seqs + ["<padding>"] * n)[:n]
         declare = getattr(self, "tokens", None)
         if not getattr(self, "_tokens_on", True):  # record(..., tokens=False)
+            return
+        if len(seqs) != n:
+            # Padded rows (CUDA-graph sizes, which are refused; sequence-parallel padding): a padding row declared
+            # as a token could pass for a real sequence starting with the pad id, so the step is left undeclared.
+            self._skip(f"a vLLM forward of {n} rows holds {len(seqs)} scheduled tokens (padding): its token rows "
+                       "were not declared")
             return
         if declare is not None:
             declare(ids_l, pos_l, seqs=seqs)
