@@ -147,7 +147,7 @@ class VllmRecorder(Recorder):
             elif _LAYER.search(name):
                 self._derive[id(m)] = "layer"
         self.steps = 0
-        self._undeclared = False
+        self._declared = False  # the next root call's tokens were declared (else it gets no token grid)
 
     # context --------------------------------------------------------------------------------------------------
     def __enter__(self):
@@ -176,7 +176,6 @@ class VllmRecorder(Recorder):
         """Declare the token rows of the forward about to run: vLLM lays every scheduled token of every
         request out flat, request after request in the input batch's order (query_start_loc)."""
         self.steps += 1
-        self._undeclared = True  # until declared: the root call then gets no token grid (see _enter)
         ids, positions = kwargs.get("input_ids"), kwargs.get("positions")
         if not isinstance(ids, torch.Tensor) or not isinstance(positions, torch.Tensor) or positions.dim() != 1:
             self._skip("a vLLM forward without flat input_ids/positions (embeddings or M-RoPE input): its token "
@@ -204,7 +203,7 @@ class VllmRecorder(Recorder):
             return
         if declare is not None:
             declare(ids_l, pos_l, seqs=seqs)
-            self._undeclared = False
+            self._declared = True
         else:
             self._skip("this divtrace has no token API (rec.tokens): the vLLM forwards' token rows were not declared")
 
@@ -212,13 +211,15 @@ class VllmRecorder(Recorder):
     def _enter(self, path, module, args, kwargs):
         if module is self._logits and self._logit_rows is not None and getattr(self, "_tokens_on", False):
             self._logits_grid(path, args)
-        if module is self.model and self._undeclared and getattr(self, "_tokens_on", False):
-            # Not read as an HF-style call either: vLLM's flat ids would pass for one sequence starting at 0.
-            self._undeclared, self._tokens_on = False, False
-            try:
-                return super()._enter(path, module, args, kwargs)
-            finally:
-                self._tokens_on = True
+        if module is self.model:
+            declared, self._declared = self._declared, False
+            if not declared and getattr(self, "_tokens_on", False):
+                # Not read as an HF-style call either: vLLM's flat ids would pass for one sequence from position 0.
+                self._tokens_on = False
+                try:
+                    return super()._enter(path, module, args, kwargs)
+                finally:
+                    self._tokens_on = True
         kind = self._derive.get(id(module))
         if kind == "norm" and len(args) + len(kwargs) >= 2:
             x = args[0] if args else kwargs.get("x")
