@@ -437,13 +437,17 @@ class Recorder:
 
     # values -----------------------------------------------------------------------------------------------
     def _version(self, t: torch.Tensor):
-        try:
-            return t._version
-        except Exception:  # inference tensors have no version counter: count in-place writes ourselves
+        # Inference tensors (everything vLLM makes: it runs under inference_mode) have no version counter: count
+        # in-place writes ourselves. Asked first, since reading `_version` of one raises, at ~50 us a time.
+        if not t.is_inference():
             try:
-                return ("w", self._writes.get(t.untyped_storage().data_ptr(), 0))
+                return t._version
             except Exception:
-                return None
+                pass
+        try:
+            return ("w", self._writes.get(t.untyped_storage().data_ptr(), 0))
+        except Exception:
+            return None
 
     def _vid_of(self, t: torch.Tensor, new_values: list, boundary: bool = False, root_output: bool = False) -> int:
         """The value id of `t` as it is now; a tensor never seen (or changed behind our back) is new."""

