@@ -37,6 +37,17 @@ from divtrace.recorder import Recorder
 #   the same for both).
 DERIVED = ("out.q", "out.k", "out.v", "out.gate", "out.up", "out.sum", "kwargs.divtrace_sum", "kwargs.divtrace_ids")
 
+# vLLM ops a repro must not replay outside the recorded process (meta.json engine.unreplayable_ops): their
+# arguments point into that process's memory or state. Replaying `_C.onednn_mm` with a recorded handle address
+# crashed the repro harness (SIGSEGV).
+UNREPLAYABLE_OPS = {
+    "_C.onednn_mm.default": "handler_tensor is the address of a oneDNN weight handle in the recording process",
+    "_C.onednn_scaled_mm.default": "takes a oneDNN handle address from the recording process",
+    "vllm.unified_attention_with_output.default": "reads its KV cache and metadata through vLLM's forward context",
+    "vllm.unified_attention.default": "reads its KV cache and metadata through vLLM's forward context",
+    "vllm.unified_kv_cache_update.default": "writes vLLM's KV cache, found through its forward context",
+}
+
 _ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "TORCHDYNAMO_DISABLE",
         "VLLM_CPU_OMP_THREADS_BIND", "VLLM_BATCH_INVARIANT", "VLLM_ATTENTION_BACKEND")
 
@@ -112,6 +123,7 @@ def engine_meta(llm) -> dict:
         "seed": plain(getattr(mc, "seed", None)),
         # logits are computed after the forward, in this call, on the last row of each request (its own token grid)
         "logits_module": "logits_processor",
+        "unreplayable_ops": UNREPLAYABLE_OPS,
         "device": plain(getattr(cfg.device_config, "device_type", None)),
         "env": {k: os.environ[k] for k in _ENV if k in os.environ},
     }}
