@@ -98,6 +98,21 @@ def test_json_doc_lists_the_token_keys(down_proj_traces):
     assert set(d["final"]) == keys["Token-aligned `final`"]
 
 
+def test_plot_is_a_token_by_module_picture(down_proj_traces, tmp_path):
+    pytest.importorskip("matplotlib")
+    train, roll = down_proj_traces["hash"]
+    png = tmp_path / "parting.png"
+    rc, _, err = _cli("bisect", train, roll, "--plot", png)
+    assert rc == 1, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = bisect(train, roll)
+    rank, row = r.module_rows["model.layers.1.mlp.down_proj"]
+    assert sum(row.values()) == 6  # the decoded tokens, from the planted module on
+    assert sum(r.module_rows["model.layers.1.mlp.up_proj"][1].values()) == 0  # before it in forward order
+    rc, _, err = _cli("bisect", train, roll, "--html", tmp_path / "r.html")
+    assert rc == 2 and "--html is not made for a token-aligned bisect" in err
+
+
 def test_cli_names_the_token_and_the_batch_size_cause(down_proj_traces):
     train, roll = down_proj_traces["hash"]
     rc, out, err = _cli("bisect", train, roll)
@@ -362,6 +377,22 @@ def test_row_fingerprints_c_and_torch_agree_and_see_every_bit():
             finally:
                 rowhash._native_rows = native
             assert (c == t).all(), (dtype, cols)
+    # a [16, 1] column with stride 16 on its size-1 dim (found on a GPU, where the torch path runs): both agree
+    col = torch.arange(32).reshape(2, 16).t()[:, :1]
+    assert col.stride() == (1, 16)
+    native, rowhash._native_rows = rowhash._native_rows, None
+    try:
+        t = rowhash.row_hashes(col)
+    finally:
+        rowhash._native_rows = native
+    assert (rowhash.row_hashes(col) == t).all()
+    odd = torch.randn(40, generator=g).to(torch.bfloat16)[1:37].reshape(3, 12)  # starts 2 bytes into a 4-byte lane
+    native, rowhash._native_rows = rowhash._native_rows, None
+    try:
+        t = rowhash.row_hashes(odd)
+    finally:
+        rowhash._native_rows = native
+    assert (rowhash.row_hashes(odd) == t).all()
     x = torch.zeros(3, 4)
     y = x.clone()
     y[1, 2] = -0.0  # one bit: the sign of a zero
@@ -370,3 +401,35 @@ def test_row_fingerprints_c_and_torch_agree_and_see_every_bit():
     nan1 = torch.tensor([[float("nan")]]).view(torch.int32)
     nan2 = (nan1 | 1).view(torch.float32)  # another NaN payload: another row
     assert rowhash.row_hashes(nan1.view(torch.float32))[0] != rowhash.row_hashes(nan2)[0]
+
+
+def test_repro_and_verify_of_a_token_divergence(down_proj_traces, tmp_path):
+    """repro cuts the op out at each side's real batch (the trainer's [2, 20] micro-batch, the decode step's
+    [2, 1]) and compares the token's row; random trials keep the token's input row equal on both sides inside
+    otherwise random batches, so verify passes a batch-invariant fix and fails the split-K kernel."""
+    train, roll = down_proj_traces["full"]
+    out = tmp_path / "repro"
+    rc, stdout, err = _cli("repro", train, roll, "--out", out, "--json")
+    assert rc == 0, err
+    m = json.loads(stdout)
+    assert m["token_rows"] == {"a": [0, FIRST_DECODED], "b": [0, 0]}
+    assert m["output"]["a"]["shape"] == [128] and m["output"]["b"]["shape"] == [128]
+    shapes = {i["name"]: i["shape"] for i in m["inputs"] if i["role"] == "activation"}
+    assert sorted(shapes.values()) == [[2, 1, 256], [2, 20, 256]]
+    assert len(m["token_ties"]) == 1
+    src = (out / "repro.py").read_text()
+    assert "import divtrace" not in src and f"[0, {FIRST_DECODED}]  # the token's row" in src
+    p = subprocess.run([sys.executable, str(out / "repro.py"), "--trials", "2"], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 1 and "FAILED: side_a and side_b differ on 3 of 3 input sets" in p.stdout
+    fix = tmp_path / "fix.py"
+    params = ", ".join(m2["name"] for m2 in m["inputs"])
+    act_b = next(n for n, s in shapes.items() if s == [2, 1, 256])
+    weight = next(i["name"] for i in m["inputs"] if i["role"] == "parameter")
+    fix.write_text(f"import torch\n\ndef side_b({params}):\n"
+                   f"    return torch.nn.functional.linear({act_b}, {weight})[0, 0]\n")
+    rc, stdout, err = _cli("verify", out, "--patch", f"{fix}:side_b", "--side", "b")
+    assert rc == 0, stdout + err
+    assert "PASSED: trials: 20 of 20 random trials bitwise equal" in " ".join(stdout.split())
+    rc, stdout, _ = _cli("verify", out)
+    assert rc == 1 and "FAILED: trials: 0 of 20" in " ".join(stdout.split())

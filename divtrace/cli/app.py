@@ -104,13 +104,17 @@ def _click_exceptions():
 
 
 def main(argv: list[str] | None = None) -> int:
+    from divtrace.cli import output
     from divtrace.cli.output import error
 
     click_error, click_exit, click_abort = _click_exceptions()
     debug = os.environ.get("DIVTRACE_DEBUG") == "1"
+    said = output.errors_printed
     try:
         rv = app(args=argv, standalone_mode=False)
         code = rv if isinstance(rv, int) else 0
+        if code == 130 and output.errors_printed == said:
+            error("interrupted")  # typer turns a Ctrl-C (inside a command's imports too) into a silent 130
     except DivtraceError as e:
         if debug:
             raise
@@ -118,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         code = e.exit_code
     except click_exit as e:
         code = getattr(e, "exit_code", getattr(e, "code", 0)) or 0
-    except click_abort:
-        error("aborted")
+    except click_abort as e:  # click turns a Ctrl-C inside a command (its imports included) into Abort
+        error("interrupted" if isinstance(e.__context__, KeyboardInterrupt) else "aborted")
         code = 130
     except click_error as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `divtrace`: show the help, as click would
@@ -134,10 +138,22 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug must still not print a traceback at the user unless asked to
         if debug:
             raise
+        from divtrace.oserrors import is_write_error, os_reason
+
+        if is_write_error(e):  # a file the system would not let us write (or read): its path and the reason
+            where = getattr(e, "filename", None)
+            error(f"{where}: {os_reason(e)}" if where else f"cannot write the output: {os_reason(e)}")
+            return 2
         error(f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
               "(set DIVTRACE_DEBUG=1 for a traceback)")
         code = 2
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except OSError as e:  # stdout is a full disk or a closed pipe: the output is lost, say so once
+        from divtrace.oserrors import os_reason
+
+        error(f"cannot write the output to stdout: {os_reason(e)}")
+        code = code or 2
     return code
 
 

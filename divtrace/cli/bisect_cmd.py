@@ -1,19 +1,12 @@
 """divtrace bisect: the first divergence between two traces, localized to module and op."""
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
 from divtrace.cli.output import Output
-
-
-class Align(str, Enum):
-    auto = "auto"
-    tokens = "tokens"
-    calls = "calls"
 
 
 def _token_text(t: dict) -> str:
@@ -71,6 +64,11 @@ def render_bisect(o: Output, r) -> None:
     elif r.verdict == "within_tolerance":
         o.passed(f"within tolerance: {r.compared} tensor pairs compared, {r.bitwise_differs} differ bitwise but "
                  f"all pass {d['tolerance']}")
+    elif r.verdict == "inconclusive":
+        c = r.coverage
+        seen = (f"{r.compared} tensor pairs compared over {c.calls_compared} call pairs, all equal" if r.compared
+                else "nothing compared")
+        o.inconclusive(f"{r.reason} [{la} vs {lb}: {seen}; {c.only_a} calls only in a, {c.only_b} only in b]")
     else:
         f = r.first
         where = f.module or "<root>"
@@ -78,6 +76,8 @@ def render_bisect(o: Output, r) -> None:
         tok = d["first"].get("token") if tokens else None
         at = f" at token position {tok['position']} of sequence {tok['seq']['id']}" if tok else ""
         o.failed(f"diverged: first divergence originates in {where} call {f.call}{ops}{at} [cause: {f.cause}]")
+        if not all(r.complete):
+            o.line(f"note: {r.reason}")
     for w in r.warnings:
         o.warn(w)
     if r.first is not None:
@@ -144,15 +144,17 @@ def bisect(
     next_n: Annotated[int, typer.Option("--next", help="how many further diverging records to list")] = 5,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write a PNG of where the runs part, per record")] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="write an HTML report of the same")] = None,
-    align: Annotated[Align, typer.Option("--align", help="pair by tokens (a rollout's prefill and decode steps "
+    align: Annotated[Literal["auto", "tokens", "calls"], typer.Option("--align", help="pair by tokens (a rollout's prefill and decode steps "
                                          "against a trainer's micro-batches) or by module calls; auto: tokens when "
                                          "both traces carry token identity and their calls hold different rows")
-                     ] = Align.auto,
+                     ] = "auto",
 ):
     """Find the first divergence between two traces: the module and aten op where it originates.
 
     Comparison is bitwise (dtype, shape and raw bytes; -0.0 != 0.0, NaNs by their bits) unless --atol,
-    --rtol or --ulp is given. Exit 0 identical, 1 diverged, 2 bad input, 3 inconclusive.
+    --rtol or --ulp is given. Exit 0 identical (both traces complete, final outputs compared and equal),
+    1 diverged, 2 bad input, 3 inconclusive (a trace stopped early or holds computation divtrace did not see,
+    and nothing diverged before: the INCONCLUSIVE line says why and what to do).
 
     Traces that carry token identity (HF-style calls, or rec.tokens declarations) are aligned token by token
     when their calls differ: each shared token's rows are compared in every module and op, and the report names
@@ -173,11 +175,36 @@ def bisect(
     o = Output(json_out)
     tol = Tolerance(atol=atol, rtol=rtol, ulp=ulp)
     path_map = PathMap.from_file(map_file) if map_file else None
-    r = run_bisect(a, b, tol=tol, path_map=path_map, n_next=next_n, align=align.value)
+    r = run_bisect(a, b, tol=tol, path_map=path_map, n_next=next_n, align=align)
     if plot is not None or html is not None:
-        from divtrace.compare.plot import write_plots
+        from divtrace.errors import DivtraceError
+        from divtrace.oserrors import cannot_write
 
-        write_plots(a, b, r, png=plot, html=html, path_map=path_map)
+        tokens = getattr(r, "alignment", "calls") == "tokens"
+        if tokens and html is not None:
+            raise DivtraceError("--html is not made for a token-aligned bisect yet; use --plot FILE.png (token x "
+                                "module), or --align calls")
+        try:
+            if tokens:
+                from divtrace.compare.token_plot import write_token_plot
+
+                write_token_plot(r, plot)
+            else:
+                from divtrace.compare.plot import write_plots
+
+                write_plots(a, b, r, png=plot, html=html, path_map=path_map)
+        except (OSError, DivtraceError) as e:
+            err = e if isinstance(e, DivtraceError) else cannot_write(getattr(e, "filename", None) or plot or html,
+                                                                     e, "cannot write the plot")
+            # A file cut short by a full disk must not pass for the report: remove it and say so.
+            bad = next((p for p in (plot, html) if p is not None and str(err).startswith(f"{p}: ")), None)
+            if bad is not None and bad.is_file():
+                try:
+                    bad.unlink()
+                    err = DivtraceError(f"{err}; the partial file was removed")
+                except OSError:
+                    err = DivtraceError(f"{err}; the partial file {bad} is left: remove it")
+            raise err from None
     if json_out:
         o.json(r.to_dict())
     else:

@@ -56,6 +56,10 @@ class Output:
         if not self.json_mode:
             self.console.print(f"[bold red]FAILED[/]: {_esc(text)}")
 
+    def inconclusive(self, text: str) -> None:
+        if not self.json_mode:
+            self.console.print(f"[bold yellow]INCONCLUSIVE[/]: {_esc(text)}")
+
     def warn(self, text: str) -> None:
         self.err.print(f"[yellow]warning[/]: {_esc(text)}")
 
@@ -100,6 +104,11 @@ def _fmt(v) -> str:
     return str(v)
 
 
+errors_printed = 0  # error lines printed so far (main() says "interrupted" only where nothing was said)
+
+
 def error(message: str) -> None:
     """The single place errors are printed: one line on stderr."""
+    global errors_printed
+    errors_printed += 1
     sys.stderr.write(f"divtrace: error: {message}\n")

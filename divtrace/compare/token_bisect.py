@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from divtrace.compare.align import Pairing, PathMap
-from divtrace.compare.bisect import BisectResult, Divergence, _Walker, _settings_diff
+from divtrace.compare.bisect import BisectResult, Divergence, _seen, _settings_diff, _Walker
+from divtrace.compare.verdict import INCONCLUSIVE, decide
 from divtrace.compare.diffs import Tolerance
 from divtrace.compare.token_align import TokenComparator, TokenView, TraceTokens, shared_tokens
 from divtrace.errors import DivtraceError
@@ -35,18 +36,18 @@ class TokenBisectResult(BisectResult):
     tokens: dict = field(default_factory=dict)
     origins: list = field(default_factory=list)
     first_extra: dict = field(default_factory=dict)
-    reason: str | None = None
-
-    @property
-    def exit_code(self) -> int:
-        return {"diverged": 1, "inconclusive": 3}.get(self.verdict, 0)
+    first_cells: tuple | None = None  # (root call a, cell a, root call b, cell b) of `first`'s token (for repro)
+    # module path -> (forward rank, {token key: differs}) from the sweep, and token key -> (sequence, position):
+    # what `bisect --plot` draws as a token x module picture
+    module_rows: dict = field(default_factory=dict)
+    token_order: dict = field(default_factory=dict)
+    token_sides: tuple | None = None  # the two TraceTokens (for repro)
 
     def to_dict(self) -> dict:
         d = super().to_dict()
         d["alignment"] = "tokens"
         d["tokens"] = self.tokens
         d["origins"] = [o for o in self.origins]
-        d.setdefault("reason", self.reason)
         if d["first"] is not None:
             d["first"].update(self.first_extra)
         return d
@@ -126,6 +127,9 @@ def _final_key(tok: TraceTokens, root) -> tuple[str, int] | None:
 
 def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | None = None,
                  n_next: int = 5) -> TokenBisectResult:
+    if tol is not None and tol.active():
+        raise DivtraceError("--atol/--rtol/--ulp are not supported with token alignment yet (rows are compared "
+                            "bitwise); drop the tolerance, or use --align calls")
     sa, sb = TraceTokens(ta), TraceTokens(tb)
     shared = shared_tokens(sa, sb)
     groups: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
@@ -138,6 +142,7 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
     # -- sweep: module outputs and the final rows, per shared token -------------------------------------------
     differs: dict[int, bool] = {}
     final_diff: dict[int, bool] = {}
+    module_rows: dict = {}
     compared = 0
     final_compared = 0
     for (ra, rb), toks in groups.items():
@@ -147,16 +152,25 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
         cells_a = np.array([c for _, c, _ in toks], dtype=np.int64)
         cells_b = np.array([c for _, _, c in toks], dtype=np.int64)
         bad = np.zeros(len(toks), dtype=bool)
+        order = sa.order(ra)
         for call_a in va.calls.values():
             call_b = pairing.partner(call_a)
             if call_b is None:
                 continue
+            mod_bad, seen = np.zeros(len(toks), dtype=bool), False
             for _, xa, xb in cmp.pairs(call_a.outputs, call_b.outputs):
                 got = _compare_rows(sa, sb, xa, xb, ra, rb, cells_a, cells_b)
                 if got is not None:
                     neq, n = got
                     bad |= neq
+                    mod_bad |= neq
                     compared += n
+                    seen = True
+            if seen:
+                label = call_a.module + (f" #{call_a.call}" if call_a.call else "")
+                rank, row = module_rows.setdefault(label, (order.get((call_a.module, call_a.call), 0), {}))
+                for (k, _, _), d in zip(toks, mod_bad):
+                    row[k] = row.get(k, False) or bool(d)
         fa, fb = _final_key(sa, va.root), _final_key(sb, vb.root)
         if fa is not None and fb is not None:
             got = _compare_rows(sa, sb, fa[1], fb[1], ra, rb, cells_a, cells_b, with_valid=True)
@@ -204,9 +218,11 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
     # -- report ------------------------------------------------------------------------------------------------
     first = None
     first_extra: dict = {}
+    first_cells = None
     origins = []
     if found:
         _, k, first, ra, ca, rb, cb = found[0]
+        first_cells = (ra, ca, rb, cb)
         first_extra = _first_extra(sa, sb, first, ra, ca, rb, cb)
         seen = {}
         for _, kk, d, ra_, ca_, rb_, cb_ in found:
@@ -238,23 +254,18 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
             warnings.append(f"trace {t.path} is incomplete (status: {t.meta.get('status')}): only what ran before it "
                             "stopped is compared")
         warnings += [f"{t.path} (recording): {w}" for w in t.meta.get("warnings") or [] if isinstance(w, str)]
-    complete = ta.complete and tb.complete
-    reason = None
-    if first is not None:
-        verdict = "diverged"
-    elif n_diff:
-        verdict, reason = "inconclusive", (f"{n_diff} shared tokens differ, but no module whose inputs are equal for "
-                                           "such a token was found (the difference enters through values that cannot "
-                                           "be compared row by row)")
-    elif not final_compared:
-        verdict, reason = "inconclusive", ("no shared token's final output (logits) was recorded with token rows on "
-                                           "both sides, so nothing supports 'identical'")
-    elif not complete:
-        bad_t = next(t for t in (ta, tb) if not t.complete)
-        verdict, reason = "inconclusive", (f"trace {bad_t.path} stopped before its end (status "
-                                           f"{bad_t.meta.get('status')}); nothing differs in what it recorded")
-    else:
-        verdict = "identical"
+    # The verdict rule (divtrace.compare.verdict): the final outputs are each shared token's logits row.
+    v = decide(origin_found=first is not None, within_tolerance=False, final_compared=final_compared > 0,
+               final_equal=not final_bad, a=_seen(ta, "a", tb), b=_seen(tb, "b", ta), calls_compared=len(shared),
+               only_a=tokens["only_a"], only_b=tokens["only_b"], unit="tokens",
+               final_note="no shared token's logits were recorded with token rows on both sides")
+    verdict, reason = v.verdict, v.reason
+    if first is None and n_diff and verdict != INCONCLUSIVE:
+        # (final logits all equal, yet some module row differs: never identical; nothing localized it either)
+        verdict, reason = INCONCLUSIVE, (
+            f"{n_diff} shared tokens differ in some module's output, but no module whose inputs are equal for such a "
+            "token was found (the difference enters through values that cannot be compared row by row, such as "
+            "attention scores); compare with --align calls where the runs share their calls")
     if verdict == "identical":
         for t in (ta, tb):
             v = getattr(t, "verify_shards", None)
@@ -270,7 +281,8 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
         labels=(ta.label, tb.label), paths=(str(ta.path), str(tb.path)), metrics_available=metrics,
         complete=(ta.complete, tb.complete), unmatched={"a": 0, "b": 0}, warnings=warnings, hint=None,
         bitwise_differs=n_diff, tolerance=None, tokens=tokens, origins=origins, first_extra=first_extra,
-        reason=reason)
+        reason=reason, coverage=v.coverage, first_cells=first_cells, token_sides=(sa, sb), module_rows=module_rows,
+        token_order={k: (seq_of[k], pos_of[k]) for k in shared})
 
 
 def _compare_rows(sa, sb, va, vb, ra, rb, cells_a, cells_b, with_valid=False):

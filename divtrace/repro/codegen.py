@@ -192,6 +192,11 @@ class SideCode:
     seq_symbolic: bool = False  # some size is written in terms of S
 
 
+def select_row(x, index: list):
+    """x[index] with ":" for a whole dim (Side.row_index)."""
+    return x[tuple(slice(None) if i == ":" else i for i in index)]
+
+
 def gen_side(letter: str, side: Side, names: dict[int, str], params: list[str], relayout: dict[int, tuple],
              device: str, batch: int | None, sites: set[int], batch_input: str | None, seq: int | None = None,
              seq_input: tuple[str, int] | None = None) -> SideCode:
@@ -261,7 +266,11 @@ def gen_side(letter: str, side: Side, names: dict[int, str], params: list[str], 
                 n += 1
                 ref[vid] = var
                 lines.append(f"    {var} = _r{''.join(f'[{k}]' for k in path)}")
-    lines.append(f"    return {ref[side.output]}")
+    if side.row_index is not None:  # token alignment: the token's row of this side's output (its batch is its own)
+        idx = ", ".join(":" if i == ":" else str(i) for i in side.row_index)
+        lines.append(f"    return {ref[side.output]}[{idx}]  # the token's row of a [{', '.join(map(str, t.values[side.output].shape))}] output")
+    else:
+        lines.append(f"    return {ref[side.output]}")
     if s_sites and any(re.search(r"\bS\b", x) for x in lines[head:]):
         lines.insert(head, f"    S = {seq_input[0]}.shape[{seq_input[1]}]  # the sequence length (recorded: {seq})")
         code.seq_symbolic = True
@@ -301,7 +310,8 @@ from safetensors.torch import load_file
 
 
 def render(*, device: str, origin: dict, input_names: list[str], specs: dict, batch: int | None, settings: dict,
-           side_codes: dict[str, SideCode], custom_imports: list[tuple[str, str, str | None]], counts: dict) -> str:
+           side_codes: dict[str, SideCode], custom_imports: list[tuple[str, str, str | None]], counts: dict,
+           token_ties: list | None = None) -> str:
     """The whole script. custom_imports: (op, module, directory it was found in or None)."""
     out = [HEADER]
     if custom_imports:
@@ -332,6 +342,10 @@ def render(*, device: str, origin: dict, input_names: list[str], specs: dict, ba
     out.append(f"BATCH = {pylit(batch)}  # the recorded batch size (leading dim of the batched inputs)")
     out.append(f"SETTINGS_A = {pylit(settings['a'])}")
     out.append(f"SETTINGS_B = {pylit(settings['b'])}")
+    if token_ties:
+        out.append("# Token alignment: each side runs the token at its own batch and returns the token's row. These")
+        out.append("# [input of b, row, input of a, row] hold the same token's input row: random trials copy it across.")
+        out.append(f"TOKEN_TIES = {pylit(token_ties)}")
     out.append("")
     for letter in ("a", "b"):
         out.append("")

@@ -112,6 +112,12 @@ def random_inputs(seed, shapes=None):
         else:
             x = _draw(g, shape, dtype, spec["min"], spec["max"]).to(_device(spec))
         out[k] = _with_layout(x, spec["shape"], spec["stride"])
+    for nb, ib, na, ia in globals().get("TOKEN_TIES") or ():  # the token's input row, the same on both sides
+        sel = lambda idx: tuple(slice(None) if i == ":" else i for i in idx)  # noqa: E731
+        try:
+            out[nb][sel(ib)] = out[na][sel(ia)]
+        except (IndexError, RuntimeError):  # a swept shape without that row: the sides are not tied there
+            pass
     return out
 
 

@@ -90,6 +90,21 @@ def row_of(x, code: str, grid_shape: list[int], cell: int):
     return x[b, c] if code == "bt" else x[b, :, c]
 
 
+def row_index(code: str, grid_shape: list[int], cell: int) -> list | None:
+    """The index of grid cell `cell`'s row in a tensor of this layout, as a list (":" for a whole dim): what
+    `row_of` selects, written so a generated repro can select it too."""
+    r = cell_row(code, grid_shape, cell)
+    if r is None:
+        return None
+    if code == "n":
+        return [r]
+    if code.startswith("last"):
+        k = int(code[4:])
+        return [r // k, r % k]
+    b, c = divmod(r, grid_shape[1])
+    return [b, c] if code == "bt" else [b, ":", c]
+
+
 def row_shape(shape, code: str) -> tuple:
     """The shape of one row of a tensor of `shape` laid out as `code`."""
     if code == "n":

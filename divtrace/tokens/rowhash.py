@@ -62,6 +62,8 @@ def contiguous_row_hashes(x: torch.Tensor, rows: int) -> np.ndarray | None:
             or not x.is_contiguous() or rows <= 0):
         return None
     rowbytes = x.numel() * x.element_size() // rows
+    if rowbytes == 0:
+        return _mix(np.zeros(rows, dtype=np.uint64), 0)
     lane = 4 if rowbytes % 4 == 0 else 2 if rowbytes % 2 == 0 else 1
     w = _packed_for(rowbytes // lane)
     out = np.empty(rows, dtype=np.uint64)
@@ -82,6 +84,8 @@ def row_hashes(rows: torch.Tensor) -> np.ndarray:
     if x.stride(-1) != 1 or (r > 1 and x.stride(0) != x.shape[1]) or x.storage_offset() % 1:
         x = x.contiguous()
     rowbytes = x.shape[1] * x.element_size()
+    if rowbytes == 0:  # rows of no elements: all equal (their dtype and row shape are compared beside)
+        return _mix(np.zeros(r, dtype=np.uint64), 0)
     lane = 4 if rowbytes % 4 == 0 else 2 if rowbytes % 2 == 0 else 1
     if _native_rows is not None and x.is_cpu and x.layout == torch.strided:
         x = x.contiguous()
@@ -89,12 +93,12 @@ def row_hashes(rows: torch.Tensor) -> np.ndarray:
         out = np.empty(r, dtype=np.uint64)
         _native_rows.row_hashes(x.data_ptr(), r, rowbytes, rowbytes, w.data_ptr(), out.ctypes.data)
         return out
-    lanes = x.contiguous().view(torch.uint8).reshape(r, rowbytes)
-    lanes = lanes.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[lane]).to(torch.int64)
+    # A fresh flat copy: a "contiguous" tensor may carry any stride on a size-1 dim, or start at a byte offset
+    # that is no multiple of the lane width, and view() refuses both.
+    flat = x.reshape(-1).clone().view(torch.uint8)
+    lanes = flat.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[lane]).reshape(r, rowbytes // lane).to(torch.int64)
     w = _weights_for(max(rowbytes // lane, 1))[:, : rowbytes // lane].to(lanes.device)
-    if not rowbytes:
-        st = torch.zeros(2, r, dtype=torch.int64)
-    elif lanes.is_cpu:
+    if lanes.is_cpu:
         st = torch.stack([lanes @ w[0], lanes @ w[1]])
     else:  # no int64 matmul on accelerators; the products wrap mod 2**64 the same way
         st = torch.stack([(lanes * w[0]).sum(1), (lanes * w[1]).sum(1)])

@@ -120,6 +120,23 @@ def _lines(path: Path):
             return  # a line cut by a crash: nothing after it is whole
 
 
+def _array_lines(path: Path) -> list:
+    """The whole lines of a JSONL file of small arrays, parsed in one json.loads (a long rollout writes one line per
+    value: 150k lines parse in a third of the time this way); a line cut by a crash ends what is read."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    lines = data.split(b"\n")
+    if lines and lines[-1].strip():  # no newline after the last line: cut by a crash
+        lines.pop()
+    lines = [x for x in lines if x.strip()]
+    try:
+        return json.loads(b"[" + b",".join(lines) + b"]")
+    except ValueError:
+        return list(_lines(path))  # a damaged line: read line by line up to it
+
+
 class TokenIndex:
     """The token files of one trace, read back. `grids` by root call id; `rows_of(vid)` -> (call id, code,
     offset) or None; `row_hash(vid, cell)`."""
@@ -164,7 +181,7 @@ class TokenIndex:
 
             n = len(self.bin)
             self._index = {}
-            for d in _lines(self.path / ROWS_INDEX):
+            for d in _array_lines(self.path / ROWS_INDEX):
                 vid, cid, code, off = d
                 g = self.grids.get(cid)
                 if g is None:
