@@ -222,7 +222,7 @@ class Recorder:
                  overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False,
                  tokens=True, token_layouts=None, compiled=None):
         if not isinstance(model, torch.nn.Module):
-            raise DivtraceError(f"record() needs a torch.nn.Module, got {type(model).__name__}")
+            raise DivtraceError(f"record() needs a torch.nn.Module (or a vllm.LLM), got {type(model).__name__}")
         if mode not in ("full", "hash"):
             raise DivtraceError(f"mode must be 'full' or 'hash', got {mode!r}")
         from divtrace.compiled.session import resolve  # torch.compile: divtrace/compiled, docs/compiled.md
@@ -460,13 +460,17 @@ class Recorder:
 
     # values -----------------------------------------------------------------------------------------------
     def _version(self, t: torch.Tensor):
-        try:
-            return t._version
-        except Exception:  # inference tensors have no version counter: count in-place writes ourselves
+        # Inference tensors (everything vLLM makes: it runs under inference_mode) have no version counter: count
+        # in-place writes ourselves. Asked first, since reading `_version` of one raises, at ~50 us a time.
+        if not t.is_inference():
             try:
-                return ("w", self._writes.get(t.untyped_storage().data_ptr(), 0))
+                return t._version
             except Exception:
-                return None
+                pass
+        try:
+            return ("w", self._writes.get(t.untyped_storage().data_ptr(), 0))
+        except Exception:
+            return None
 
     def _vid_of(self, t: torch.Tensor, new_values: list, boundary: bool = False, root_output: bool = False) -> int:
         """The value id of `t` as it is now; a tensor never seen (or changed behind our back) is new."""
@@ -831,6 +835,9 @@ class Recorder:
             return out
         with _BUSY:
             outs = op_tensors(out, [])
+            if out is None:  # returns nothing, writes its result into arguments (vLLM's _C.onednn_mm): those
+                outs = [t for pos, name in _mutated_args(func)  # are its outputs
+                        for t in op_tensors(args[pos] if pos < len(args) else kwargs.get(name), [])]
             plain_out = [self._plain(t, func) for t in outs]
             if not outs or any(p is None for p in plain_out):
                 return out
@@ -927,6 +934,7 @@ def record(model, path, *, mode="full", ops=None, label=None, include=None, excl
            shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False, tokens=True,
            token_layouts=None, compiled=None) -> Recorder:
     """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
+    `model` is a `torch.nn.Module`, or a `vllm.LLM` (in-process, eager: see divtrace/engines/vllm.py).
 
     `flush_records` bounds how many records may be lost if the process is killed (they are written in
     batches of that many). `shard_bytes` is the size of a full-mode shard file; full mode holds no tensor
@@ -950,7 +958,13 @@ def record(model, path, *, mode="full", ops=None, label=None, include=None, excl
         with divtrace.record(model, "runs/train", mode="hash", label="train"):
             model(input_ids)
     """
-    return Recorder(model, path, mode=mode, ops=ops, label=label, include=include, exclude=exclude,
-                    overwrite=overwrite, shard_bytes=shard_bytes, extra_meta=extra_meta,
-                    flush_records=flush_records, durable=durable, tokens=tokens, token_layouts=token_layouts,
-                    compiled=compiled)
+    kwargs = dict(mode=mode, ops=ops, label=label, include=include, exclude=exclude, overwrite=overwrite,
+                  shard_bytes=shard_bytes, extra_meta=extra_meta, flush_records=flush_records, durable=durable,
+                  tokens=tokens, token_layouts=token_layouts, compiled=compiled)
+    if not isinstance(model, torch.nn.Module):  # an inference engine (a vllm.LLM): its adapter, if there is one
+        from divtrace.engines import engine_recorder
+
+        rec = engine_recorder(model, path, **kwargs)
+        if rec is not None:
+            return rec
+    return Recorder(model, path, **kwargs)
