@@ -92,7 +92,7 @@ class TraceTokens:
         return self._order[root_cid]
 
     def row_key(self, vid: int, root_cid: int, cell: int):
-        """The key of `vid` for one token: its row's (dtype, row shape, fingerprint); a key nothing equals where
+        """The key of `vid` for one token: its row's (dtype, (elements,), fingerprint); a key nothing equals where
         the value's rows cannot be compared; None where the value has no rows in this root call."""
         e = self.index.index.get(vid)
         if e is None or e[0] != root_cid:
@@ -105,7 +105,7 @@ class TraceTokens:
         if r is None:
             return INCOMPARABLE
         dtype, shape, _ = self.trace.vkey[vid]
-        return (dtype, layout.row_shape(shape, code), int(self.index.bin[off + r]))
+        return (dtype, layout.row_len(shape, code), int(self.index.bin[off + r]))
 
     def rows_at(self, vid: int, root_cid: int, cells: np.ndarray):
         """(dtype, row shape, fingerprints at `cells`, valid mask) of a value with rows, or None."""
@@ -123,7 +123,7 @@ class TraceTokens:
         else:
             idx, valid = cells, np.ones(len(cells), dtype=bool)
         dtype, shape, _ = self.trace.vkey[vid]
-        return dtype, layout.row_shape(shape, code), self.index.bin[off + idx], valid
+        return dtype, layout.row_len(shape, code), self.index.bin[off + idx], valid
 
 
 class _RowKeys(Mapping):

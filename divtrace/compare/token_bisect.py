@@ -113,8 +113,31 @@ def _embedding(tok: TraceTokens, root_cid: int):
     return None
 
 
+def final_rows(tok: TraceTokens) -> dict[int, tuple[int, int, int]]:
+    """token key -> (grid call id, cell, vid) of the value holding that token's final logits: the logits output
+    of the last call with a token grid that holds the token (a root call's output, or an engine's logits call,
+    named in meta `engine.logits_module`)."""
+    t = tok.trace
+    logits_module = (t.meta.get("engine") or {}).get("logits_module")
+    out: dict[int, tuple[int, int, int]] = {}
+    for cid in sorted(tok.index.grids):
+        call = t.calls.get(cid)
+        if call is None or call.exit_index is None:
+            continue
+        if call.module != "" and not (logits_module and call.module.endswith(logits_module)):
+            continue
+        key = _final_key(tok, call)
+        if key is None:
+            continue
+        g = tok.index.grids[cid]
+        for cell, k in enumerate(g.keys):
+            if k:
+                out[k] = (cid, cell, key[1])
+    return out
+
+
 def _final_key(tok: TraceTokens, root) -> tuple[str, int] | None:
-    """The root output that holds the logits (or logprobs), with token rows."""
+    """The call output that holds the logits (or logprobs), with token rows."""
     cands = []
     for key, vid in root.outputs:
         e = tok.index.index.get(vid)
@@ -171,17 +194,21 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
                 rank, row = module_rows.setdefault(label, (order.get((call_a.module, call_a.call), 0), {}))
                 for (k, _, _), d in zip(toks, mod_bad):
                     row[k] = row.get(k, False) or bool(d)
-        fa, fb = _final_key(sa, va.root), _final_key(sb, vb.root)
-        if fa is not None and fb is not None:
-            got = _compare_rows(sa, sb, fa[1], fb[1], ra, rb, cells_a, cells_b, with_valid=True)
-            if got is not None:
-                neq, n, valid = got
-                final_compared += n
-                for (k, _, _), d, v in zip(toks, neq, valid):
-                    if v:
-                        final_diff[k] = bool(d)
         for (k, _, _), d in zip(toks, bad):
-            differs[k] = bool(d) or final_diff.get(k, False)
+            differs[k] = bool(d)
+    # The final outputs: each shared token's logits row, wherever each side computed it (the root's output; an
+    # engine's logits call after its forward, which has a token grid of its own).
+    fin_a, fin_b = final_rows(sa), final_rows(sb)
+    for k in shared:
+        xa, xb = fin_a.get(k), fin_b.get(k)
+        if xa is None or xb is None:
+            continue
+        ka, kb = sa.row_key(xa[2], xa[0], xa[1]), sb.row_key(xb[2], xb[0], xb[1])
+        if not TokenComparator.comparable(ka, kb):
+            continue
+        final_compared += 1
+        final_diff[k] = ka != kb
+        differs[k] = differs.get(k, False) or final_diff[k]
 
     # -- walk the first differing tokens of each sequence -------------------------------------------------------
     ga = sa.index.grids
@@ -271,7 +298,7 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
             v = getattr(t, "verify_shards", None)
             if v is not None:
                 v()
-    final = _final_summary(sa, sb, groups, final_diff, ta, tb) if final_compared else None
+    final = _final_summary(sa, sb, groups, final_diff, ta, tb, fin_a, fin_b) if final_compared else None
     env_keys = ("torch_version", "device", "cuda_device_name")
     sets = _settings_diff({**ta.meta.get("settings", {}), **{k: ta.meta.get(k) for k in env_keys}},
                           {**tb.meta.get("settings", {}), **{k: tb.meta.get(k) for k in env_keys}})
@@ -324,7 +351,7 @@ def _first_extra(sa, sb, d: Divergence, ra, ca, rb, cb) -> dict:
     return out
 
 
-def _final_summary(sa, sb, groups, final_diff, ta, tb) -> dict:
+def _final_summary(sa, sb, groups, final_diff, ta, tb, fin_a, fin_b) -> dict:
     out = {"tensor": "per-token logits", "identical": not any(final_diff.values()),
            "tokens_compared": len(final_diff), "tokens_differing": sum(final_diff.values())}
     first_bad = None
@@ -338,5 +365,5 @@ def _final_summary(sa, sb, groups, final_diff, ta, tb) -> dict:
     if ta.mode == "full" and tb.mode == "full":
         from divtrace.compare.token_final import per_token_logprob_metrics
 
-        out.update(per_token_logprob_metrics(sa, sb, groups, ta.label, tb.label))
+        out.update(per_token_logprob_metrics(sa, sb, groups, ta.label, tb.label, fin_a, fin_b))
     return out

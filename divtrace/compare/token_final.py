@@ -18,18 +18,19 @@ from divtrace.compare.final import _train_first
 from divtrace.tokens import layout
 
 
-def _rows_tensor(tok, root_cid: int, cells: list[int]):
-    from divtrace.compare.token_bisect import _final_key
-
-    root = tok.root_calls(root_cid)[root_cid]
-    key = _final_key(tok, root)
-    if key is None or not tok.trace.has_bytes(key[1]):
+def _row(tok, final: dict, key: int, cache: dict):
+    """The token's logits row (a tensor), from the value `final` (final_rows) names for it, or None."""
+    got = final.get(key)
+    if got is None:
         return None
-    x = tok.trace.tensor(key[1])
-    code = tok.index.index[key[1]][1]
-    g = tok.index.grids[root_cid]
-    rows = [layout.row_of(x, code, g.shape, c) for c in cells]
-    return rows
+    cid, cell, vid = got
+    if not tok.trace.has_bytes(vid):
+        return None
+    x = cache.get(vid)
+    if x is None:
+        x = cache[vid] = tok.trace.tensor(vid)
+    g = tok.index.grids[cid]
+    return layout.row_of(x, tok.index.index[vid][1], g.shape, cell)
 
 
 def _next_ids(tok) -> dict:
@@ -42,19 +43,17 @@ def _next_ids(tok) -> dict:
     return out
 
 
-def per_token_logprob_metrics(sa, sb, groups, label_a: str, label_b: str) -> dict:
+def per_token_logprob_metrics(sa, sb, groups, label_a: str, label_b: str, fin_a: dict, fin_b: dict) -> dict:
     train_first = _train_first(label_a, label_b)
     nxt = _next_ids(sa)
     nxt_b = _next_ids(sb)
     kl_ab, kl_ba, dlp, k3, mult, worst = [], [], [], [], [], None
+    cache_a, cache_b = {}, {}
     for (ra, rb), toks in groups.items():
-        ra_rows = _rows_tensor(sa, ra, [c for _, c, _ in toks])
-        rb_rows = _rows_tensor(sb, rb, [c for _, _, c in toks])
-        if ra_rows is None or rb_rows is None:
-            continue
         ga, gb = sa.index.grids[ra], sb.index.grids[rb]
-        for (k, ca, cb), xa, xb in zip(toks, ra_rows, rb_rows):
-            if xa is None or xb is None or xa.shape != xb.shape:
+        for k, ca, cb in toks:
+            xa, xb = _row(sa, fin_a, k, cache_a), _row(sb, fin_b, k, cache_b)
+            if xa is None or xb is None or xa.numel() != xb.numel():
                 continue
             lpa = torch.log_softmax(xa.double().reshape(-1), -1)
             lpb = torch.log_softmax(xb.double().reshape(-1), -1)

@@ -124,6 +124,15 @@ def same_rows(src_code: str, code: str, src, t, grid_shape: list[int]) -> bool:
     return False
 
 
+def row_len(shape, code: str) -> tuple:
+    """(elements,) of one row: rows are compared as their bytes in row-major order, so an engine's flat [H*d] row
+    of q meets a trainer's heads-first [H, d] row of the same token (the fingerprint depends on the bytes alone)."""
+    n = 1
+    for s in row_shape(shape, code):
+        n *= s
+    return (n,)
+
+
 def row_shape(shape, code: str) -> tuple:
     """The shape of one row of a tensor of `shape` laid out as `code`."""
     if code == "n":
