@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from divtrace.records import OpRecord
 from divtrace.repro.codegen import Ctx, Unreplayable, literal, op_expr
@@ -72,13 +72,33 @@ class RecordedCall:
                 kwargs[name] = v
         copies = {vid: tensors[vid].clone() for vid in self.written if vid in tensors}
 
-        def fill(x):
-            if isinstance(x, Slot):
-                return copies.get(x.vid, tensors.get(x.vid))
+        def fill(x):  # not torch's tree_map: this runs for every row of every op
+            tx = type(x)
+            if tx is Slot:
+                t = copies.get(x.vid)
+                return tensors[x.vid] if t is None else t
+            if tx is list:
+                return [fill(y) for y in x]
+            if tx is tuple:
+                return tuple(fill(y) for y in x)
+            if tx is dict:
+                return {k: fill(v) for k, v in x.items()}
             return x
 
-        out = self.fn(*tree_map(fill, args), **tree_map(fill, kwargs))
-        return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        out = self.fn(*[fill(a) for a in args], **{k: fill(v) for k, v in kwargs.items()})
+        return _tensors(out)
+
+
+def _tensors(out) -> list:
+    """The tensors of an op's output, in pytree order (what the recording numbered as its outputs)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        res = []
+        for y in out:
+            res += _tensors(y)
+        return res
+    return []
 
 
 def _decode(x, env: dict, ctx: Ctx):

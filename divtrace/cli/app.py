@@ -33,7 +33,7 @@ def _register() -> None:
     app.command("record")(record_cmd.record)
     app.command("show")(show_cmd.show)
     app.command("bisect")(bisect_cmd.bisect)
-    for name in ("repro", "verify"):
+    for name in ("repro", "verify", "audit"):
         mod = _optional(f"{name}_cmd")
         if mod is not None:
             app.command(name)(getattr(mod, name))
