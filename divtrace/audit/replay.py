@@ -49,7 +49,12 @@ class RecordedCall:
         pos = self.arg_position(name)
         if pos is not None and pos < len(self.args):
             return self.args[pos]
-        return self.kwargs.get(name, default)
+        if name in self.kwargs:
+            return self.kwargs[name]
+        for a in (self.schema.arguments if self.schema is not None else ()):
+            if a.name == name and a.has_default_value():
+                return a.default_value
+        return default
 
     def arg_position(self, name: str) -> int | None:
         s = self.schema

@@ -13,7 +13,10 @@ values of attention: passed whole):
 - pointwise ops (torch.Tag.pointwise, casts): every input that has the rows after broadcasting;
 - ops along a dim (softmax, reductions with `dim`, norms over trailing dims): rows outside those dims;
 - embedding: rows of the indices;
-- anything else (custom ops): the leading dim of the first tensor input, when every tensor output has it too.
+- custom ops (not aten): the leading dim of the first tensor input, when every tensor output has it too, and
+  of every input of the same rank and size there (assumed: a custom op whose inputs index rows, such as group
+  offsets, is cut wrongly; the report names the family "leading dim (assumed)");
+- any other aten op (indexing, grouped matmuls, scatters): not audited, its inputs may index rows.
 """
 from __future__ import annotations
 
@@ -31,9 +34,9 @@ ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product
              "_scaled_dot_product_fused_attention_overrideable"}
 EMBEDDING = {"embedding", "embedding_bag", "_embedding_bag"}
 POINTWISE_EXTRA = {"_to_copy", "to", "clone", "copy_", "copy", "masked_fill", "masked_fill_", "where", "clamp",
-                   "clamp_", "triu", "tril", "zeros_like", "ones_like", "full_like", "fill_"}
+                   "clamp_", "zeros_like", "ones_like", "full_like", "fill_", "floor_divide", "floor_divide_"}
 # norms over the trailing `normalized_shape` dims
-NORMS = {"native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm", "native_group_norm"}
+NORMS = {"native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm"}
 DIM_ARGS = ("dim", "dims")
 
 
@@ -131,6 +134,10 @@ def plan_rows(call: RecordedCall, shapes: dict[int, list], out_shapes: list[list
     dim_arg = next((a.name for a in (schema.arguments if schema else []) if a.name in DIM_ARGS), None)
     if dim_arg is not None and slots:
         return _along_dim(call, dim_arg, first, slots, shapes, out_shapes)
+    if call.op.split(".")[0] in ("aten", "prims", "prim"):
+        # indexing, grouped and scatter ops: some inputs say where rows go (indices, offsets, counts), so rows
+        # cannot be cut without changing what the op computes
+        raise NoRows(f"no row rule for aten {name} (divtrace does not know which of its inputs are rows)")
     return _leading(call, first, slots, shapes, out_shapes)
 
 
@@ -266,4 +273,4 @@ def _leading(call, first, slots, shapes, out_shapes) -> RowPlan:
         shp = shapes[s.vid]
         if len(shp) == len(xs) and shp[d] == n and n > 1:
             inputs.setdefault(s.vid, d)
-    return RowPlan("leading dim", n, inputs, {i: d for i in range(len(out_shapes))})
+    return RowPlan("leading dim (assumed)", n, inputs, {i: d for i in range(len(out_shapes))})
