@@ -180,6 +180,9 @@ def test_json_contract_and_exit_code(traces, capsys):
     # grouped by (module class, op, shapes): the 8 square projections of 2 layers are one line, first occurrence
     q = d["findings"][0]
     assert (q["module"], q["op"], q["count"]) == ("model.layers.0.self_attn.q_proj", "aten.mm.default", 8)
+    # per token: the 32 rows of the matmul are the 32 tokens of the one sequence
+    assert q["tokens"][:2] == [{"row": 0, "seq": 0, "slot": 0, "position": 0},
+                               {"row": 1, "seq": 0, "slot": 1, "position": 1}] and len(q["tokens"]) == 32
     assert [f["record"] for f in d["findings"]] == sorted(f["record"] for f in d["findings"])
     assert 0 < sum(f["time_share"] for f in d["findings"]) <= 1
 

@@ -17,6 +17,26 @@ def _shapes(shapes, dtypes) -> str:
     return ", ".join(f"{d}{list(s)}" for s, d in zip(shapes, dtypes))
 
 
+def _spans(xs: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ", ".join(out) or "-"
+
+
+def _tokens_line(tokens: list[dict]) -> str:
+    pos = sorted({x["position"] for x in tokens if x["position"] is not None})
+    if pos:
+        seqs = {x["seq"] for x in tokens}
+        return f"positions {_spans(pos)}" + (f" in {len(seqs)} sequences" if None not in seqs else "")
+    return f"slots {_spans(sorted({x['slot'] for x in tokens}))} of every sequence"
+
+
 def render_audit(o: Output, r) -> None:
     d = r.to_dict()
     o.line(r.headline())
@@ -34,6 +54,8 @@ def render_audit(o: Output, r) -> None:
             o.line(f"    rows differ at M={f['rows_differ_at']} (checked M={f['rows_checked_at']}); "
                    f"{f['rows_differing']} of {f['n_rows']} rows; max ULP {f['max_ulp']}; "
                    f"{100 * f['time_share']:.1f}% of the replay time")
+            if f["tokens"]:
+                o.line("    tokens reached: " + _tokens_line(f["tokens"]))
         else:
             o.line(f"    {f['why'] or ''}; {100 * f['time_share']:.1f}% of the replay time")
         for n in f["notes"]:

@@ -1,0 +1,59 @@
+"""Which tokens an op's batch variance reaches: its differing rows as (sequence, slot, position) of the root
+call's tokens.
+
+Read from the root call's HF-style inputs: `input_ids` [B, T] (or [T]), with `position_ids` or an
+`attention_mask` (padding on either side: a padded slot has no position) when given. An op's rows map to tokens
+when it has one row per token (B*T rows: row r is sequence r // T, slot r % T) or one row per slot of a sequence
+(T rows, as attention's query rows per head). Anything else is left unmapped (None): rows stay row numbers.
+"""
+from __future__ import annotations
+
+
+class TokenView:
+    def __init__(self, trace):
+        self.grid = None  # [B][T] -> position, or None for a padded slot
+        roots = trace.roots()
+        if not roots:
+            return
+        inputs = dict(roots[0].inputs)
+        vid = inputs.get("kwargs.input_ids", inputs.get("args.0"))
+        if vid is None or not trace.has_bytes(vid):
+            return
+        dtype, shape, _ = trace.vkey[vid]
+        if not dtype.startswith("torch.int") or len(shape) not in (1, 2):
+            return
+        b, t = (1, shape[0]) if len(shape) == 1 else shape
+        grid = [[p for p in range(t)] for _ in range(b)]
+        try:
+            pos_vid = inputs.get("kwargs.position_ids")
+            mask_vid = inputs.get("kwargs.attention_mask")
+            if pos_vid is not None and trace.has_bytes(pos_vid):
+                pos = trace.tensor(pos_vid).reshape(-1, t).tolist()
+                grid = [list(pos[i % len(pos)]) for i in range(b)]
+            elif mask_vid is not None and trace.has_bytes(mask_vid) and list(trace.vkey[mask_vid][1]) == list(shape):
+                mask = trace.tensor(mask_vid).reshape(b, t).tolist()
+                grid = []
+                for row in mask:
+                    seen, out = 0, []
+                    for m in row:
+                        out.append(seen if m else None)
+                        seen += 1 if m else 0
+                    grid.append(out)
+        except Exception:  # a malformed optional input: positions by slot
+            pass
+        self.grid, self.b, self.t = grid, b, t
+
+    def tokens(self, n_rows: int, rows: list[int]) -> list[dict] | None:
+        """[{"row", "seq", "slot", "position"}] for `rows` of an op with `n_rows` rows, or None when the op's
+        rows are not the tokens. seq None: the row stands for that slot of every sequence; position None: a
+        padded slot, or a slot whose position differs between the sequences."""
+        if self.grid is None or not rows:
+            return None
+        b, t = self.b, self.t
+        if n_rows == b * t:
+            return [{"row": r, "seq": r // t, "slot": r % t, "position": self.grid[r // t][r % t]} for r in rows]
+        if n_rows == t:
+            same = all(g == self.grid[0] for g in self.grid)
+            return [{"row": r, "seq": 0 if b == 1 else None, "slot": r,
+                     "position": self.grid[0][r] if same else None} for r in rows]
+        return None
