@@ -265,3 +265,26 @@ def test_plot(traces, tmp_path, capsys):
     out = tmp_path / "audit.png"
     assert main(["audit", str(traces / "bf16"), "--plot", str(out)]) == 1
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_moe_grouped_matmul_is_not_audited_never_cut(tmp_path):
+    """Regression: the MoE experts' _grouped_mm takes group offsets; cutting its rows without them made false
+    findings. Indexing and grouped ops are not audited (with why); the router and attention still are."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    model = MixtralForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(1))
+    record_model(model, {"input_ids": ids, "use_cache": False}, tmp_path / "moe", mode="full")
+    threads, prec = torch.get_num_threads(), torch.get_float32_matmul_precision()
+    d = audit(tmp_path / "moe").to_dict()
+    assert (torch.get_num_threads(), torch.get_float32_matmul_precision()) == (threads, prec)  # restored
+    assert not any(f["op"] in ("aten._grouped_mm.default", "aten.index.Tensor") for f in d["findings"])
+    na = {n["op"]: n["why"] for n in d["not_audited_ops"]}
+    if "aten._grouped_mm.default" in {o for o in na}:  # transformers versions without grouped experts loop instead
+        assert "no row rule" in na["aten._grouped_mm.default"]
+    assert not any(c["op"] == "aten._grouped_mm.default" for c in d["clean"])
+    assert any(f["module_class"] == "MixtralTopKRouter" or f["module"].endswith(".gate") for f in d["findings"]
+               if f["op"] == "aten.mm.default")

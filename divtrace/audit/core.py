@@ -195,39 +195,77 @@ def _enter(factory, spec):
     return cm
 
 
+def _setting_api(torch):
+    """name -> (get, set) of the recorded settings a replay re-applies (as repro.py's harness does)."""
+    cuda = torch.backends.cuda.matmul
+    return {
+        "float32_matmul_precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+        "cuda_matmul_allow_tf32": (lambda: cuda.allow_tf32, lambda v: setattr(cuda, "allow_tf32", v)),
+        "cudnn_allow_tf32": (lambda: torch.backends.cudnn.allow_tf32,
+                             lambda v: setattr(torch.backends.cudnn, "allow_tf32", v)),
+        "allow_fp16_reduced_precision_reduction": (
+            lambda: cuda.allow_fp16_reduced_precision_reduction,
+            lambda v: setattr(cuda, "allow_fp16_reduced_precision_reduction", v)),
+        "allow_bf16_reduced_precision_reduction": (
+            lambda: cuda.allow_bf16_reduced_precision_reduction,
+            lambda v: setattr(cuda, "allow_bf16_reduced_precision_reduction", v)),
+        "deterministic_algorithms": (
+            lambda: (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled()),
+            lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
+    }
+
+
 class _Settings:
-    """The recording's thread count and float32 matmul precision while replaying (restored afterwards)."""
+    """The recording's numerics settings while replaying (restored afterwards): thread count (capped at this
+    machine's cores), float32 matmul precision, TF32 and reduced-precision flags, deterministic algorithms."""
 
     def __init__(self, settings: dict, device: str, warnings: list):
         import torch
 
-        self.torch, self.want, self.old = torch, {}, {}
+        self.api, self.want, self.old = _setting_api(torch), {}, {}
+        self.torch = torch
         threads = settings.get("num_threads")
         if isinstance(threads, int) and threads > 0 and device == "cpu":
             cap = os.cpu_count() or threads
             if threads > cap:
                 warnings.append(f"recorded with {threads} threads, this machine has {cap}: replayed with {cap} "
                                 "(a CPU kernel's reduction order can depend on the thread count)")
-            self.want["threads"] = min(threads, cap)
-        prec = settings.get("float32_matmul_precision")
-        if isinstance(prec, str):
-            self.want["prec"] = prec
+            self.want["num_threads"] = min(threads, cap)
+        for k in self.api:
+            v = settings.get(k)
+            if k == "deterministic_algorithms":
+                if isinstance(v, bool):
+                    self.want[k] = (v, bool(settings.get("deterministic_warn_only")))
+            elif v is not None:
+                self.want[k] = v
+
+    def _get(self, k):
+        if k == "num_threads":
+            return self.torch.get_num_threads()
+        try:
+            return self.api[k][0]()
+        except (RuntimeError, AttributeError):  # a backend this build lacks
+            return None
+
+    def _set(self, k, v) -> None:
+        if v is None:
+            return
+        try:
+            self.torch.set_num_threads(v) if k == "num_threads" else self.api[k][1](v)
+        except (RuntimeError, AttributeError, TypeError, ValueError):
+            pass
 
     def __enter__(self):
-        t = self.torch
-        if "threads" in self.want:
-            self.old["threads"] = t.get_num_threads()
-            t.set_num_threads(self.want["threads"])
-        if "prec" in self.want:
-            self.old["prec"] = t.get_float32_matmul_precision()
-            t.set_float32_matmul_precision(self.want["prec"])
+        self.old = {k: self._get(k) for k in self.want}
+        for k, v in self.want.items():
+            if self.old[k] != v:
+                self._set(k, v)
 
     def __exit__(self, *exc):
-        t = self.torch
-        if "threads" in self.old:
-            t.set_num_threads(self.old["threads"])
-        if "prec" in self.old:
-            t.set_float32_matmul_precision(self.old["prec"])
+        for k, v in self.old.items():
+            if self._get(k) != v:
+                self._set(k, v)
 
 
 def audit(path, *, under: str | None = None, device: str | None = None, progress=None) -> AuditResult:
@@ -256,6 +294,10 @@ def audit(path, *, under: str | None = None, device: str | None = None, progress
         warnings.append(f"{t.path}: the recording did not finish ({t.status}): the ops it recorded are audited")
     rec_device = t.meta.get("device") or "cpu"
     dev = device or rec_device
+    try:
+        torch.device(dev)
+    except (RuntimeError, TypeError):
+        raise DivtraceError(f"--device {dev!r}: not a torch device") from None
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise DivtraceError(f"{t.path}: recorded on {rec_device}, and this machine has no CUDA device; audit on "
                             f"the CPU kernels instead with --device cpu")
@@ -317,7 +359,7 @@ def audit(path, *, under: str | None = None, device: str | None = None, progress
                 if why is not None:
                     a.why = why
                     continue
-                call = recorded_call(rec, dev)
+                call = recorded_call(rec, rec_device, dev)
                 tensors = {vid: load(vid) for vid in dict.fromkeys(rec.inputs)}
                 with _enter(factory, under):
                     if dev.startswith("cuda"):

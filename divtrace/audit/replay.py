@@ -127,13 +127,14 @@ def resolve(op: str):
         raise Unreplayable(f"op {op} is not available in this torch{hint} ({type(e).__name__})") from None
 
 
-def recorded_call(rec: OpRecord, device: str) -> RecordedCall:
-    """`rec` as a RecordedCall. Raises Unreplayable with the reason when it cannot be run again."""
+def recorded_call(rec: OpRecord, recorded_device: str, device: str | None = None) -> RecordedCall:
+    """`rec` as a RecordedCall, its device arguments that named the recording's device moved to `device`.
+    Raises Unreplayable with the reason when it cannot be run again."""
     fn = resolve(rec.op)
     ref = {vid: f"_v{vid}" for vid in rec.inputs}
-    env = {"torch": torch, "DEVICE": torch.device(device), "float": float, "complex": complex,
+    env = {"torch": torch, "DEVICE": torch.device(device or recorded_device), "float": float, "complex": complex,
            **{name: Slot(vid) for vid, name in ref.items()}}
-    ctx = Ctx(ref, device)
+    ctx = Ctx(ref, recorded_device)
     args = [_decode(a, env, ctx) for a in rec.args]
     bad = [k for k in rec.kwargs if not _IDENT.match(str(k)) or keyword.iskeyword(str(k))]
     if bad:
@@ -163,7 +164,7 @@ def why_not_replayable(rec: OpRecord, fn) -> str | None:
     if torch.Tag.nondeterministic_seeded in tags and not _rng_unused(rec, fn):
         return "a random op (draws from the RNG: dropout or sampling)"
     if not rec.outputs:
-        return "no tensor output (side effects only)"
+        return "no tensor output (a scalar read, or side effects only)"
     return None
 
 
