@@ -79,7 +79,8 @@ class Group:
             "time_share": round(secs / total_seconds, 6) if total_seconds > 0 else 0.0,
             # extensions
             "module_class": f.module_class, "shapes": f.shapes, "dtypes": f.dtypes, "record": f.index,
-            "records": [o.index for o in self.ops][:64], "modules": list(dict.fromkeys(o.module for o in self.ops))[:64],
+            "records": [o.index for o in self.ops][:64],
+            "modules": list(dict.fromkeys(o.module for o in self.ops))[:64],
             "rows_checked_at": sorted({m for o in self.ops for m in o.rows_checked_at}),
             "n_rows": f.n_rows, "rows": worst.rows[:64], "rows_differing": len(worst.rows), "family": f.family,
             "tokens": worst.tokens[:64] if worst.tokens is not None else None,
@@ -302,9 +303,9 @@ def audit(path, *, under: str | None = None, device: str | None = None, progress
         raise DivtraceError(f"{t.path}: recorded on {rec_device}, and this machine has no CUDA device; audit on "
                             f"the CPU kernels instead with --device cpu")
     factory = _under_factory(under)
-    from divtrace.audit.tokens_view import TokenView
+    from divtrace.audit.tokens_view import TokenViews
 
-    token_view = TokenView(t)
+    token_views = TokenViews(t)
     classes = dict(t.meta.get("module_tree") or [])
 
     selected = []
@@ -410,7 +411,7 @@ def audit(path, *, under: str | None = None, device: str | None = None, progress
                     a.batch_invariant = r.invariant
                     a.rows_checked_at, a.rows_differ_at, a.rows = r.checked, r.differ_at, r.rows
                     a.max_ulp = r.max_ulp if r.differ_at else 0
-                    a.tokens = token_view.tokens(plan.n, r.rows)
+                    a.tokens = token_views.tokens(rec.call_id, plan.n, r.rows)
                     a.notes += r.notes
             except Unreplayable as e:
                 a.why = f"cannot be re-run: {e}"

@@ -127,7 +127,8 @@ def plan_rows(call: RecordedCall, shapes: dict[int, list], out_shapes: list[list
         if d is None:
             raise NoRows("the norm covers every dim")
         n = xs[d]
-        return RowPlan("norm", n, {x.vid: d}, _outputs_with(out_shapes, n, lambda i, s: d if len(s) == len(xs) else None))
+        return RowPlan("norm", n, {x.vid: d},
+                       _outputs_with(out_shapes, n, lambda i, s: d if len(s) == len(xs) else None))
     if torch.Tag.pointwise in tags or name in POINTWISE_EXTRA:
         return _pointwise(call, slots, shapes, out_shapes)
     schema = call.schema

@@ -9,13 +9,29 @@ when it has one row per token (B*T rows: row r is sequence r // T, slot r % T) o
 from __future__ import annotations
 
 
-class TokenView:
+class TokenViews:
+    """The TokenView of the root call each op ran in (a generate() loop has one root call per step)."""
+
     def __init__(self, trace):
+        self.trace, self._views, self._root = trace, {}, {}
+
+    def tokens(self, call_id: int, n_rows: int, rows: list[int]) -> list[dict] | None:
+        root = self._root.get(call_id)
+        if root is None:
+            c = call_id
+            while self.trace.calls[c].parent is not None:
+                c = self.trace.calls[c].parent
+            root = self._root[call_id] = c
+        view = self._views.get(root)
+        if view is None:
+            view = self._views[root] = TokenView(self.trace, self.trace.calls[root])
+        return view.tokens(n_rows, rows)
+
+
+class TokenView:
+    def __init__(self, trace, root):
         self.grid = None  # [B][T] -> position, or None for a padded slot
-        roots = trace.roots()
-        if not roots:
-            return
-        inputs = dict(roots[0].inputs)
+        inputs = dict(root.inputs)
         vid = inputs.get("kwargs.input_ids", inputs.get("args.0"))
         if vid is None or not trace.has_bytes(vid):
             return

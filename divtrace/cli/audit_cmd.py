@@ -77,14 +77,16 @@ def render_audit(o: Output, r) -> None:
 
 
 def audit(
-    trace: Annotated[Path, typer.Argument(metavar="TRACE", help="full-mode trace directory (divtrace record --mode full)")],
+    trace: Annotated[Path, typer.Argument(metavar="TRACE",
+                                          help="full-mode trace directory (divtrace record --mode full)")],
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable result (see docs/audit.md)")] = False,
     under: Annotated[Optional[str], typer.Option(
         "--under", metavar="MODULE:FACTORY",
         help="a function (path/file.py:fn or pkg.mod:fn) returning a context manager entered around each op's "
              "replays, e.g. a batch-invariant mode")] = None,
     device: Annotated[Optional[str], typer.Option(help="replay on this device instead of the recorded one")] = None,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="write a PNG: each op's worst ULP, findings' time share")] = None,
+    plot: Annotated[Optional[Path], typer.Option(
+        "--plot", help="write a PNG: each op's worst ULP, findings' time share")] = None,
 ):
     """Audit every recorded op: is it batch-invariant, is it deterministic, what does it cost.
 
