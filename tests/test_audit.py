@@ -288,3 +288,12 @@ def test_moe_grouped_matmul_is_not_audited_never_cut(tmp_path):
     assert not any(c["op"] == "aten._grouped_mm.default" for c in d["clean"])
     assert any(f["module_class"] == "MixtralTopKRouter" or f["module"].endswith(".gate") for f in d["findings"]
                if f["op"] == "aten.mm.default")
+
+
+def test_every_op_replays_its_recorded_output(fp32, traces):
+    """The replay is the recording's computation: each op re-run from its recorded inputs (recorded layouts,
+    device and dtype constants decoded by the repro generator's code) gives the recorded bytes."""
+    for r in (fp32, audit(traces / "bf16")):
+        assert r.ops and all(o.audited for o in r.ops), [(o.op, o.why) for o in r.ops if not o.audited]
+        assert all(o.replays_record is True for o in r.ops), [o.op for o in r.ops if not o.replays_record]
+        assert not any(o.notes for o in r.ops if o.family != "attention")

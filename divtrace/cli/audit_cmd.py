@@ -1,12 +1,28 @@
 """divtrace audit: every recorded op that is not batch-invariant or not deterministic."""
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from divtrace.cli.output import Output
+
+
+def _progress():
+    """A progress line on a terminal's stderr, at most every second (a large model's audit takes minutes)."""
+    last = [time.monotonic()]
+
+    def show(k: int, n: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 1.0 or k + 1 == n:
+            last[0] = now
+            sys.stderr.write(f"\rdivtrace audit: op {k + 1} of {n}" + ("\n" if k + 1 == n else ""))
+            sys.stderr.flush()
+
+    return show
 
 
 def _yes_no(v) -> str:
@@ -106,7 +122,7 @@ def audit(
     from divtrace.audit import audit as run_audit
 
     o = Output(json_out)
-    r = run_audit(trace, under=under, device=device)
+    r = run_audit(trace, under=under, device=device, progress=_progress() if sys.stderr.isatty() else None)
     if plot is not None:
         from divtrace.audit.plot import write_plot
 
