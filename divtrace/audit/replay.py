@@ -20,6 +20,8 @@ from divtrace.repro.codegen import Ctx, Unreplayable, literal, op_expr
 from divtrace.repro.region import RANDOM_OPS, op_short
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# outputs of the aten attention kernels that are not the attention: RNG state, workspaces, debug masks
+NOT_RESULTS = {"rng_state", "unused", "philox_seed", "philox_offset", "debug_attn_mask", "cum_seq_q", "cum_seq_k"}
 COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "_dtensor"}
 
 
@@ -39,6 +41,17 @@ class RecordedCall:
     args: list
     kwargs: dict
     written: set = field(default_factory=set)  # vids the op writes into (in-place / out=): copied before each run
+
+    def compared(self, n: int) -> list[int]:
+        """Which of the op's n tensor outputs carry its result: not the RNG state, workspace or debug outputs of
+        the attention kernels (uninitialized or per-call bytes, not part of what the op computes)."""
+        s = self.schema
+        if s is None:
+            return list(range(n))
+        names = [r.name for r in s.returns if str(r.type) in ("Tensor", "Tensor?")]
+        if len(names) != n:
+            return list(range(n))
+        return [i for i, name in enumerate(names) if name not in NOT_RESULTS]
 
     @property
     def schema(self):
