@@ -334,7 +334,8 @@ def audit(path, *, under: str | None = None, device: str | None = None, progress
             x = t.tensor(vid)
             if not v.derived:
                 x = with_layout(x, v.shape, v.stride)
-            x = x.to(dev)
+            # onto the replay device where it lived on the recording's device; a CPU value of a GPU run stays
+            x = x.to(dev if (v.device or rec_device) == rec_device else v.device)
             cache[vid] = x
         return x
 

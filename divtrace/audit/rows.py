@@ -1,17 +1,20 @@
 """Which dim of an op's inputs and outputs holds its rows (tokens), so that a row can be computed alone or in
 another batch and compared with itself.
 
-Without a token layout the row dim is the leading dim: the first dim of size > 1 that the op does not work
-along (not the feature dim of a matmul, not the dim a softmax or a norm reduces). Each op family says which of
-its tensor inputs carry those rows (they are sliced) and which are shared by every row (weights, keys and
-values of attention: passed whole):
+Without a token layout the row dim is read off the op and the shapes (the first dim of size > 1 unless said
+otherwise below), never the feature dim of a matmul or a dim a softmax or a norm works along. Each op family
+says which of its tensor inputs carry those rows (they are sliced) and which are shared by every row (weights,
+keys and values of attention: passed whole):
 
-- matmul (mm, addmm, bmm, baddbmm, linear, matmul): rows of the first matrix;
+- matmul (mm, addmm, bmm, baddbmm, linear, matmul): rows of the first matrix (the M dim of each matrix of a
+  bmm);
 - attention (the aten scaled-dot-product kernels): query rows, with their mask rows; keys and values whole.
   Causal attention computes a chunk of query rows [s, e) against keys [0, e) with a bottom-right causal mask,
   and one row against its prefix without a mask: what chunked prefill and decode run;
-- pointwise ops (torch.Tag.pointwise, casts): every input that has the rows after broadcasting;
-- ops along a dim (softmax, reductions with `dim`, norms over trailing dims): rows outside those dims;
+- pointwise ops (torch.Tag.pointwise, casts): the output's largest non-feature dim (T of [B, T, H] and of
+  [B, H, T, D]), sliced in every input that has it after broadcasting;
+- ops along a dim (softmax, reductions with `dim`, norms over trailing dims): the nearest dim of size > 1
+  before those dims (T of [B, T, H] for a norm, the queries of [B, H, Tq, Tk] for a softmax);
 - embedding: rows of the indices;
 - custom ops (not aten): the leading dim of the first tensor input, when every tensor output has it too, and
   of every input of the same rank and size there (assumed: a custom op whose inputs index rows, such as group
@@ -59,13 +62,36 @@ class NoRows(Exception):
 def _lead(shape, exclude=(), keep_last=False) -> int | None:
     """First dim of size > 1, not in `exclude` (and not the last dim of a matrix-shaped value unless
     `keep_last`); the first allowed dim when none is larger than 1; None when no dim is allowed."""
-    dims = [d for d in range(len(shape)) if d not in exclude and (keep_last or len(shape) < 2 or d < len(shape) - 1)]
+    dims = _allowed(shape, exclude, keep_last)
     if not dims:
         return None
     for d in dims:
         if shape[d] > 1:
             return d
     return dims[0]
+
+
+def _allowed(shape, exclude=(), keep_last=False) -> list[int]:
+    return [d for d in range(len(shape)) if d not in exclude and (keep_last or len(shape) < 2 or d < len(shape) - 1)]
+
+
+def _before(shape, exclude) -> int | None:
+    """For an op along `exclude` (softmax over keys, a norm over features): the nearest dim of size > 1 before
+    them, where the tokens of [B, T, H] and [B, H, Tq, Tk] sit; else the leading dim outside them."""
+    if exclude:
+        for d in range(min(exclude) - 1, -1, -1):
+            if shape[d] > 1:
+                return d
+    return _lead(shape, exclude=exclude, keep_last=True)
+
+
+def _largest(shape, keep_last) -> int | None:
+    """The largest non-feature dim (the first of equals): tokens in [B, T, H] and [B, H, T, D] unless the batch
+    or the heads outnumber them."""
+    dims = _allowed(shape, (), keep_last)
+    if not dims:
+        return None
+    return max(dims, key=lambda d: (shape[d], -d))
 
 
 def _norm_dims(v, ndim: int) -> set[int]:
@@ -123,7 +149,7 @@ def plan_rows(call: RecordedCall, shapes: dict[int, list], out_shapes: list[list
             raise NoRows("norm without an input tensor")
         xs = shapes[x.vid]
         k = len(ns) if isinstance(ns, (list, tuple)) else 1
-        d = _lead(xs, exclude=set(range(len(xs) - k, len(xs))), keep_last=True)
+        d = _before(xs, set(range(len(xs) - k, len(xs))))
         if d is None:
             raise NoRows("the norm covers every dim")
         n = xs[d]
@@ -210,7 +236,7 @@ def _kw(call, name) -> bool:
 
 def _pointwise(call, slots, shapes, out_shapes) -> RowPlan:
     out = out_shapes[0]
-    d = _lead(out, keep_last=len(out) < 2)
+    d = _largest(out, keep_last=len(out) < 2)
     if d is None:
         raise NoRows("a scalar output")
     n = out[d]
@@ -237,7 +263,7 @@ def _pointwise(call, slots, shapes, out_shapes) -> RowPlan:
 def _along_dim(call, dim_arg, first, slots, shapes, out_shapes) -> RowPlan:
     xs = shapes[first]
     dims = _norm_dims(call.arg(dim_arg), len(xs))
-    d = _lead(xs, exclude=dims, keep_last=True)
+    d = _before(xs, dims)
     if d is None:
         raise NoRows(f"the op works along every dim ({dim_arg}={call.arg(dim_arg)!r})")
     n = xs[d]
