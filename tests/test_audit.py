@@ -108,8 +108,15 @@ def tiny_llama(dtype=torch.float32, seq=32):
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
-    torch.set_num_threads(1)
-    d = tmp_path_factory.mktemp("audit")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # recorded with one thread: the audit replays with the recorded count
+    try:
+        yield _record_all(tmp_path_factory.mktemp("audit"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _record_all(d):
     model, inputs = tiny_llama(torch.float32)
     record_model(model, inputs, d / "fp32", mode="full")
     model, inputs = tiny_llama(torch.bfloat16)
