@@ -10,7 +10,7 @@ from divtrace.audit.replay import RecordedCall
 from divtrace.audit.rows import RowPlan
 from divtrace.compare.metrics import FLOAT_DTYPES, bitwise_equal, raw_bits, ulp_distance
 
-MAX_SINGLE_ROWS = 64  # rows computed one at a time (M=1); more rows than this are sampled evenly, ends included
+MAX_SINGLE_ROWS = 32  # rows computed one at a time (M=1); more rows than this are sampled evenly, ends included
 
 
 @dataclass
@@ -38,17 +38,19 @@ def _row_diff(got: torch.Tensor, want: torch.Tensor, dim: int):
     """(indices of differing rows along `dim`, max ULP among them or None) of two same-shaped tensors."""
     if got.dtype != want.dtype or got.shape != want.shape:
         return list(range(want.shape[dim])), None
-    diff = raw_bits(got) != raw_bits(want.to(got.device))
+    want = want.to(got.device)
+    bg, bw = raw_bits(got), raw_bits(want)
+    if torch.equal(bg, bw):  # the common case, in one pass
+        return [], 0
+    diff = bg != bw
     if diff.dim() > want.dim():  # complex: (real, imag) as a trailing dim
         diff = diff.any(dim=-1)
-    if not bool(diff.any()):
-        return [], 0
     other = [d for d in range(diff.dim()) if d != dim]
     per_row = diff.any(dim=other) if other else diff
     rows = per_row.nonzero().reshape(-1).tolist()
     ulp = None
-    if got.dtype in FLOAT_DTYPES:
-        u = ulp_distance(got, want.to(got.device))
+    if got.dtype in FLOAT_DTYPES:  # over the differing elements only
+        u = ulp_distance(got.contiguous()[diff], want.contiguous()[diff])
         ulp = int(u.max())
         if ulp < 0:  # NaN against a number
             ulp = None
