@@ -304,3 +304,25 @@ def test_every_op_replays_its_recorded_output(fp32, traces):
         assert r.ops and all(o.audited for o in r.ops), [(o.op, o.why) for o in r.ops if not o.audited]
         assert all(o.replays_record is True for o in r.ops), [o.op for o in r.ops if not o.replays_record]
         assert not any(o.notes for o in r.ops if o.family != "attention")
+
+
+def test_trace_without_ops_is_bad_input(tmp_path, capsys):
+    record_model(nn.Linear(8, 8), (torch.randn(4, 8),), tmp_path / "t", mode="full", ops=False)
+    capsys.readouterr()
+    assert main(["audit", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "without ops" in err[0] and "--mode full" in err[0]
+
+
+def test_linear_with_bias_layer_norm_softmax_rows(tmp_path):
+    """addmm's bias is shared by every row, layer_norm and softmax work along the last dim: each gets a row
+    plan over the 12 tokens, none is left unaudited."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Softmax(dim=-1))
+    record_model(model, (torch.randn(3, 4, 16),), tmp_path / "t", mode="full")
+    r = audit(tmp_path / "t")
+    fam = {o.op: (o.family, o.n_rows) for o in r.ops}
+    assert fam["aten.addmm.default"] == ("matmul", 12)
+    assert fam["aten.native_layer_norm.default"] == ("norm", 4)  # T of [B, T, H]: the dim before the norm's
+    assert fam["aten._softmax.default"] == ("along a dim", 4)
+    assert all(o.audited and o.deterministic for o in r.ops)
