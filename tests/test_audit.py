@@ -326,3 +326,19 @@ def test_linear_with_bias_layer_norm_softmax_rows(tmp_path):
     assert fam["aten.native_layer_norm.default"] == ("norm", 4)  # T of [B, T, H]: the dim before the norm's
     assert fam["aten._softmax.default"] == ("along a dim", 4)
     assert all(o.audited and o.deterministic for o in r.ops)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_llama(tmp_path):
+    """On a GPU: the SDPA kernels' RNG state, workspaces and debug outputs are not taken for nondeterminism,
+    every op replays its recorded bytes, and attention is audited (a flash kernel that takes no mask runs
+    single rows only, with a note). Written without a GPU at hand: it has not run yet."""
+    model, inputs = tiny_llama(torch.bfloat16)
+    model = model.cuda()
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    record_model(model, inputs, tmp_path / "t", mode="full")
+    r = audit(tmp_path / "t")
+    attn = [o for o in r.ops if "scaled_dot_product" in o.op]
+    assert attn and all(o.deterministic is True and o.audited for o in attn), [(o.op, o.why) for o in attn]
+    assert all(o.replays_record for o in r.ops if o.audited), [o.op for o in r.ops if o.audited and not o.replays_record]
+    assert r.device.startswith("cuda")
