@@ -342,3 +342,14 @@ def test_cuda_bf16_llama(tmp_path):
     assert attn and all(o.deterministic is True and o.audited for o in attn), [(o.op, o.why) for o in attn]
     assert all(o.replays_record for o in r.ops if o.audited), [o.op for o in r.ops if o.audited and not o.replays_record]
     assert r.device.startswith("cuda")
+
+
+def test_rows_cut_from_the_middle_dim_are_packed(tmp_path):
+    """Regression: tokens of a [B, T, H] activation cut as a strided view sent CPU gelu down its
+    non-vectorized path, a false finding (the view differs, not the batch). Cut rows are laid out densely."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.GELU())
+    record_model(model, (torch.randn(2, 16, 32),), tmp_path / "t", mode="full")
+    gelu = [o for o in audit(tmp_path / "t").ops if o.op == "aten.gelu.default"]
+    assert len(gelu) == 1 and gelu[0].n_rows == 16  # T, not B
+    assert gelu[0].batch_invariant is True, gelu[0].rows_differ_at

@@ -57,6 +57,18 @@ def _row_diff(got: torch.Tensor, want: torch.Tensor, dim: int):
     return rows, ulp
 
 
+def packed(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """Rows cut from `whole`, dense in whole's dim order, as an engine lays out a batch of these rows: a strided
+    view of the batch would send elementwise kernels down their non-vectorized path (another result for gelu on
+    a CPU), a difference of the view, not of the batch. Broadcast (stride-0) inputs stay views."""
+    if 0 in whole.stride() or part.is_contiguous():
+        return part
+    if whole.is_contiguous():
+        return part.contiguous()
+    order = sorted(range(whole.dim()), key=lambda d: (-whole.stride()[d], d))
+    return part.permute(order).contiguous().permute([order.index(d) for d in range(whole.dim())])
+
+
 def _single_rows(n: int) -> list[int]:
     if n <= MAX_SINGLE_ROWS:
         return list(range(n))
@@ -104,11 +116,11 @@ def check_rows(call: RecordedCall, plan: RowPlan, tensors: dict, ref: list, seed
             inputs = dict(tensors)
             overrides = {}
             for vid, d in plan.inputs.items():
-                inputs[vid] = tensors[vid].narrow(d, s, e - s)
+                inputs[vid] = packed(tensors[vid].narrow(d, s, e - s), tensors[vid])
             if plan.causal is not None:
                 c = plan.causal
                 for vid in (c["k"], c["v"]):
-                    inputs[vid] = tensors[vid].narrow(c["kdim"], 0, e)
+                    inputs[vid] = packed(tensors[vid].narrow(c["kdim"], 0, e), tensors[vid])
                 overrides["is_causal"] = False
                 if e - s > 1:
                     if c["mask_arg"] is None:
