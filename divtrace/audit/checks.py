@@ -61,7 +61,7 @@ def packed(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """Rows cut from `whole`, dense in whole's dim order, as an engine lays out a batch of these rows: a strided
     view of the batch would send elementwise kernels down their non-vectorized path (another result for gelu on
     a CPU), a difference of the view, not of the batch. Broadcast (stride-0) inputs stay views."""
-    if 0 in whole.stride() or part.is_contiguous():
+    if 0 in whole.stride():
         return part
     if whole.is_contiguous():
         return part.contiguous()
@@ -154,8 +154,8 @@ def check_rows(call: RecordedCall, plan: RowPlan, tensors: dict, ref: list, seed
         inputs = dict(tensors)
         for vid, d in plan.inputs.items():
             x = tensors[vid]
-            inputs[vid] = torch.cat([x.index_select(d, perm.to(x.device)), x, x.index_select(d, after.to(x.device))],
-                                    dim=d)
+            inputs[vid] = packed(torch.cat([x.index_select(d, perm.to(x.device)), x,
+                                            x.index_select(d, after.to(x.device))], dim=d), x)
         outs = call.run(inputs)
         rows, ulp = [], 0
         for i, d in plan.outputs.items():
