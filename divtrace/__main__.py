@@ -1,5 +1,5 @@
 import sys
 
-from divtrace.cli.app import main
+from divtrace.cli import main
 
 sys.exit(main())

@@ -40,7 +40,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from divtrace.errors import DivtraceError
 from divtrace.fingerprint import dtype_name, fingerprint
 from divtrace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue
-from divtrace.settings import numerics_settings, run_environment
+from divtrace.settings import note_grad_mode, numerics_settings, run_environment
+from divtrace.tokens import layout as token_layout
+from divtrace.tokens.identity import TokenTracker
+from divtrace.tokens.rowhash import contiguous_row_hashes, row_hashes
+from divtrace.tokens.store import TokenStoreWriter
 from divtrace.trace.writer import TraceWriter
 from divtrace.views import DERIVABLE_VIEWS, REORDERING, VIEW_KEY, rebuildable, view_fingerprint
 
@@ -215,7 +219,8 @@ class Recorder:
     """The context manager returned by `divtrace.record`."""
 
     def __init__(self, model, path, *, mode="full", ops=True, label=None, include=None, exclude=None,
-                 overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False):
+                 overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False,
+                 tokens=True, token_layouts=None):
         if not isinstance(model, torch.nn.Module):
             raise DivtraceError(f"record() needs a torch.nn.Module, got {type(model).__name__}")
         if mode not in ("full", "hash"):
@@ -245,6 +250,15 @@ class Recorder:
         self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (inference tensors)
         self._mode_obj = None
         self._my_handlers: dict = {}
+        self._tokens_on = bool(tokens)
+        self._token_layouts = token_layout.compile_overrides(token_layouts)
+        self._call_paths: dict[int, str] = {}  # call id -> module path (for token_layouts)
+        self._boundary_path: str | None = None  # the module whose inputs or outputs are being recorded
+        self._token_tracker = TokenTracker()
+        self._grid = None  # the token grid of the root call in progress (divtrace.tokens.identity.TokenGrid)
+        self._token_store: TokenStoreWriter | None = None
+        self._rowed: set[int] = set()  # vids whose token rows were looked at (the current root call's)
+        self._root_calls = 0  # calls of the recorded model seen (the first sets the grad-mode settings)
         self.warnings: list[str] = []
         self.writer: TraceWriter | None = None
 
@@ -262,6 +276,7 @@ class Recorder:
         self.writer = TraceWriter(self.path, mode=self.mode, meta=meta, overwrite=self._overwrite,
                                   shard_bytes=self._shard_bytes, flush_records=self._flush_records,
                                   durable=self._durable)
+        self._token_store = TokenStoreWriter(self.writer.path)
         _ACTIVE_MODELS.add(id(self.model))
         _ACTIVE.append(self)
         if any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
@@ -281,6 +296,43 @@ class Recorder:
             self._mode_obj.__enter__()
         self._install_signals()
         return self
+
+    def tokens(self, ids, positions, seqs=None) -> None:
+        """Declare the token rows of the next root call of the recorded model, in the order the call lays its
+        tokens out (flattened for `[N, ...]` inputs, row-major for `[B, T]`): `ids` and `positions` hold one
+        entry per row, `seqs` (optional) a sequence handle per row, such as a request id, that chains decode
+        steps to their sequence; without it a sequence starts where a position is 0. Engines and custom loops
+        call this before each forward; HF-style calls (`input_ids`, `attention_mask`, `position_ids`, a cache)
+        need no declaration.
+
+        Example::
+
+            with divtrace.record(model, "runs/rollout", mode="hash") as rec:
+                rec.tokens(ids=[5, 9, 2, 7], positions=[0, 1, 2, 3], seqs=["req-0"] * 4)
+                model(input_ids, positions)
+        """
+        self._token_tracker.declare(ids, positions, seqs)
+
+    def _token_rows(self, vid: int, t: torch.Tensor, root_output: bool = False) -> None:
+        """Fingerprint each token row of a value made in the current root call (see divtrace.tokens.layout)."""
+        g = self._grid
+        self._rowed.add(vid)
+        code = token_layout.infer(t.shape, g.shape, g.kv_len, root_output)
+        if self._token_layouts:
+            path = self._boundary_path
+            if path is None:
+                path = self._call_paths.get(self._stack[-1].call_id, "") if self._stack else ""
+            code = token_layout.override(self._token_layouts, path, t.shape, g.shape, code)
+        if code is None:
+            return
+        if code in (token_layout.AMBIGUOUS, token_layout.CROSS):
+            self._token_store.add_rows(vid, g.call_id, code, None)
+            return
+        x = t.transpose(1, 2) if code == "bht" else t
+        hashes = contiguous_row_hashes(x, token_layout.row_count(code, g.shape))
+        if hashes is None:
+            hashes = row_hashes(token_layout.rows_2d(t, code))
+        self._token_store.add_rows(vid, g.call_id, code, hashes)
 
     def _closing_warnings(self) -> None:
         """A pre hook prepended inside the block runs before divtrace's: the inputs recorded for that module
@@ -360,9 +412,16 @@ class Recorder:
                 status, error = "error", f"{exc_type.__name__}: {exc}".splitlines()[0][:500]
             # A signal held while an exception was already on its way out is settled here, not later.
             held, _STATE.deferred = getattr(_STATE, "deferred", None), None
+            tokens = None
+            try:
+                tokens = self._token_store.close() if self._token_store is not None else None
+            except OSError as e:
+                self.warnings.append(f"token files could not be written: {e.strerror or e}")
+            self.warnings.extend(w for w in self._token_tracker.warnings if w not in self.warnings)
+            extra = {"tokens": tokens} if tokens and tokens["grids"] else {}
             try:
                 self.writer.close(status, error, warnings=self.warnings,
-                                  unfinished_calls=sum(1 for f in self._stack if f.call_id is not None))
+                                  unfinished_calls=sum(1 for f in self._stack if f.call_id is not None), **extra)
             finally:
                 for sig, mine in self._my_handlers.items():
                     mine.divtrace_active = False
@@ -386,7 +445,7 @@ class Recorder:
             except Exception:
                 return None
 
-    def _vid_of(self, t: torch.Tensor, new_values: list, boundary: bool = False) -> int:
+    def _vid_of(self, t: torch.Tensor, new_values: list, boundary: bool = False, root_output: bool = False) -> int:
         """The value id of `t` as it is now; a tensor never seen (or changed behind our back) is new."""
         entry = self._tensors.get(t)
         version = self._version(t)
@@ -411,6 +470,8 @@ class Recorder:
         v = self.writer.new_value(t, producer=None, fp=fp)
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
+        if boundary and self._grid is not None:  # (op inputs from outside are parameters and buffers: no rows)
+            self._token_rows(v.vid, t, root_output)
         if unsettled and entry[1] == version:  # changed, and no torch op wrote it: it may be written so again
             self._unsettled.add(v.vid)
             self._skip(_RAW_WRITE)
@@ -448,6 +509,8 @@ class Recorder:
             v = self.writer.new_value(t, producer=producer)
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
+        if self._grid is not None:
+            self._token_rows(v.vid, t)
         if op in _FRESH_BUFFERS:
             self._unsettled.add(v.vid)
         elif self._unsettled and base is not None:  # a view of such a buffer sees what is written into it
@@ -587,6 +650,9 @@ class Recorder:
         self._stack.append(_Frame(call_id, module, excluded, sys.exc_info()[1], token))
 
     def _enter(self, path, module, args, kwargs):
+        if module is self.model:
+            note_grad_mode(self.writer.meta.setdefault("settings", {}), first=not self._root_calls)
+            self._root_calls += 1
         if module is self.model and self._stack:
             # A new call of the root while calls are open: they were left by an interrupt the caller caught.
             while self._stack:
@@ -601,15 +667,26 @@ class Recorder:
             self._push(None, module, False)
             return
         call = self._calls.get(path, 0)
+        if module is self.model and self._tokens_on:
+            # (before the call is counted: a declaration that does not fit the call is the caller's error)
+            self._grid = self._token_tracker.on_root_call(self._next_call_id, call, args, kwargs,
+                                                          f"root call {call} of {type(module).__name__}")
+            if self._grid is not None:
+                self._token_store.add_grid(self._grid)
         self._calls[path] = call + 1
         call_id = self._next_call_id
         self._next_call_id += 1
         values: list = []
         pairs = []
-        for key, t in flatten_tensors(args, "args", []) + flatten_tensors(kwargs, "kwargs", []):
-            t = self._plain(t, path or "<root>")
-            if t is not None:
-                pairs.append((key, self._vid_of(t, values, boundary=True)))
+        if self._token_layouts:
+            self._call_paths[call_id] = self._boundary_path = path
+        try:
+            for key, t in flatten_tensors(args, "args", []) + flatten_tensors(kwargs, "kwargs", []):
+                t = self._plain(t, path or "<root>")
+                if t is not None:
+                    pairs.append((key, self._vid_of(t, values, boundary=True)))
+        finally:
+            self._boundary_path = None
         rec = ModuleEnter(self._take_index(), call_id, path, call, self._recorded_parent(), pairs)
         self._push(call_id, module, False)
         self.writer.append(rec, values)
@@ -624,6 +701,16 @@ class Recorder:
         frame = self._pop()
         if frame.call_id is None:
             return
+        root = module is self.model and self._grid is not None
+        try:
+            self._exit_call(frame, output, root)
+        finally:
+            if root:
+                self._grid = None
+                self._rowed.clear()
+                self._token_store.flush()
+
+    def _exit_call(self, frame, output, root: bool) -> None:
         current = sys.exc_info()[1]
         if current is not None and current is not frame.exc:
             # torch runs always_call hooks from its `except Exception:`: the forward raised.
@@ -632,10 +719,18 @@ class Recorder:
             return
         values: list = []
         pairs = []
-        for key, t in flatten_tensors(output, "out", []):
-            t = self._plain(t, "output")
-            if t is not None:
-                pairs.append((key, self._vid_of(t, values, boundary=True)))
+        if self._token_layouts:
+            self._boundary_path = self._call_paths.get(frame.call_id, "")
+        try:
+            for key, t in flatten_tensors(output, "out", []):
+                t = self._plain(t, "output")
+                if t is not None:
+                    vid = self._vid_of(t, values, boundary=True, root_output=root)
+                    if root and vid not in self._rowed:  # made by an op before it was known to be the output
+                        self._token_rows(vid, t, root_output=True)
+                    pairs.append((key, vid))
+        finally:
+            self._boundary_path = None
         self.writer.append(ModuleExit(self._take_index(), frame.call_id, pairs), values)
 
     def _pop(self) -> _Frame:
@@ -782,7 +877,8 @@ class _OpMode(TorchDispatchMode):
 
 
 def record(model, path, *, mode="full", ops=True, label=None, include=None, exclude=None, overwrite=False,
-           shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False) -> Recorder:
+           shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False, tokens=True,
+           token_layouts=None) -> Recorder:
     """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
 
     `flush_records` bounds how many records may be lost if the process is killed (they are written in
@@ -795,6 +891,13 @@ def record(model, path, *, mode="full", ops=True, label=None, include=None, excl
     default because fsync on a busy disk can stall for hundreds of milliseconds, and a trace cut short that
     way reads as an error, never as a wrong trace.
 
+    Token identity (for `bisect --align tokens`): HF-style root calls (`input_ids` with `attention_mask`,
+    `position_ids`, a cache; `model.generate()`) are read automatically; engines and custom loops declare each
+    root call's tokens with `rec.tokens(ids, positions, seqs)`. Each token row of every recorded tensor then gets an
+    8-byte fingerprint beside the whole-tensor one. `tokens=False` records none of it. `token_layouts` overrides
+    the inferred token dims where a shape fools the inference: `{module path regex: "bt" | "bht" | "n" | "none"}`
+    applies to the values made inside a matching module and to its inputs and outputs.
+
     Example::
 
         with divtrace.record(model, "runs/train", mode="hash", label="train"):
@@ -802,4 +905,4 @@ def record(model, path, *, mode="full", ops=True, label=None, include=None, excl
     """
     return Recorder(model, path, mode=mode, ops=ops, label=label, include=include, exclude=exclude,
                     overwrite=overwrite, shard_bytes=shard_bytes, extra_meta=extra_meta,
-                    flush_records=flush_records, durable=durable)
+                    flush_records=flush_records, durable=durable, tokens=tokens, token_layouts=token_layouts)

@@ -34,7 +34,27 @@ def numerics_settings() -> dict:
         "sdp_cudnn": _safe(cuda.cudnn_sdp_enabled),
         "mkldnn_enabled": _safe(lambda: torch.backends.mkldnn.enabled),
         "default_dtype": str(torch.get_default_dtype()),
+        **grad_mode(),
     }
+
+
+def grad_mode() -> dict:
+    """Autograd's mode: grad_enabled (False under torch.no_grad) and inference_mode (torch.inference_mode). A
+    forward under autograd records extra ops (aten.detach), and some kernels pick another path when an input
+    requires grad; a trace taken under no_grad against one taken with grad shows fewer tensors compared, so
+    bisect lists these keys when they differ."""
+    return {"grad_enabled": torch.is_grad_enabled(), "inference_mode": torch.is_inference_mode_enabled()}
+
+
+def note_grad_mode(settings: dict, first: bool) -> None:
+    """Called at each call of the recorded model (its root module): the grad mode the forward really ran under,
+    not the one at `record(...)`'s entry (`with divtrace.record(m, p): with torch.no_grad(): m(x)` is common).
+    The first root call sets the keys; a later one under another mode makes that key "mixed"."""
+    for k, v in grad_mode().items():
+        if first:
+            settings[k] = v
+        elif settings.get(k) != v:
+            settings[k] = "mixed"
 
 
 def run_environment(device: str) -> dict:

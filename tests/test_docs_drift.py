@@ -9,7 +9,11 @@ Shell blocks preceded by the line `<!-- divtrace-example: run -->` are also *run
 directory per document (with `examples/` linked in): `divtrace ...` lines in-process, `python ...` lines as
 subprocesses. A line expects exit 0 unless it ends with a comment `# exit N`. A block preceded by
 `<!-- divtrace-example: file NAME -->` is written to NAME in that directory when the run reaches it (a patch the
-doc shows, say).
+doc shows, say). A ```text block preceded by `<!-- divtrace-example: output -->` is output the doc shows: each of
+its lines (but `...`) must be a line the commands run since the last such block printed, with timings and
+percentages free to differ and table padding ignored (see `_normal`); a ```json block so marked must agree with
+the last `--json` output on every value it shows (a list may end with "..."). The output is rendered at
+COLUMNS=120, as the docs show it.
 
 `repro` and `verify` are registered only once their modules exist; until then the checks that need them are
 expected failures (xfail, not strict) that turn into passes on their own.
@@ -37,6 +41,7 @@ DOCS = [SKILL / "SKILL.md", *sorted((SKILL / "references").glob("*.md")), ROOT /
 PENDING = {"repro": "divtrace/cli/repro_cmd.py", "verify": "divtrace/cli/verify_cmd.py"}  # registered when they exist
 SHELL_LANGS = {"", "bash", "sh", "shell", "zsh", "console"}  # ```text is output; in ```console only `$ ` lines
 RUN_MARKER = "<!-- divtrace-example: run -->"
+OUTPUT_MARKER = "<!-- divtrace-example: output -->"
 FILE_MARKER = re.compile(r"^<!-- divtrace-example: file (\S+) -->$")
 ROOT_CMD = typer.main.get_command(app)
 
@@ -70,6 +75,7 @@ class Block:
     lines: list[tuple[int, str]]
     run: bool
     file: str | None = None  # write the block to this file instead of running it
+    output: bool = False  # output the doc shows: checked against what the commands printed
 
 
 def _blocks_and_prose(doc: Path):
@@ -92,7 +98,9 @@ def _blocks_and_prose(doc: Path):
             i += 1
         i += 1
         fm = FILE_MARKER.match(prev)
-        blocks.append(Block(doc, start + 1, lang, body, prev == RUN_MARKER or bool(fm), fm.group(1) if fm else None))
+        out = prev == OUTPUT_MARKER
+        blocks.append(Block(doc, start + 1, lang, body, prev == RUN_MARKER or bool(fm) or out,
+                            fm.group(1) if fm else None, out))
     return blocks, prose
 
 
@@ -276,14 +284,21 @@ def _run_params():
     for doc, _, blocks in ALL:
         if not blocks:
             continue
-        lines = [t for b in blocks if b.file is None for _, t in b.lines if t.strip() and not t.strip().startswith("#")]
+        lines = [t for b in blocks if b.file is None and not b.output for _, t in b.lines
+                 if t.strip() and not t.strip().startswith("#")]
         subs = {a[1] for a in map(lambda t: _argv_of(t)[0], lines) if a[:1] == ["divtrace"] and len(a) > 1}
         yield pytest.param(doc, blocks, id=str(doc.relative_to(ROOT)), marks=_pending_mark(subs))
 
 
 def run_blocks(doc: Path, blocks: list[Block], cwd: Path, capsys) -> None:
-    """Run a document's example blocks in `cwd` (the current directory), asserting each line's exit code."""
+    """Run a document's example blocks in `cwd` (the current directory), asserting each line's exit code and the
+    output the document shows."""
+    printed, last_json = [], None
     for b in blocks:
+        if b.output:
+            check_output(doc, b, "".join(printed), last_json)
+            printed = []
+            continue
         if b.file is not None:
             assert "/" not in b.file and not b.file.startswith("."), b.file
             (cwd / b.file).write_text("".join(t + "\n" for _, t in b.lines))
@@ -296,12 +311,57 @@ def run_blocks(doc: Path, blocks: list[Block], cwd: Path, capsys) -> None:
             assert rc == want, (f"{doc.name}:{n}: `{line.strip()}` exited {rc}, the doc says {want}\n"
                                 f"{(out + err)[-3000:]}")
             if "--json" in argv and argv[0] == "divtrace":
-                json.loads(out)  # what the doc calls JSON is JSON
+                last_json = json.loads(out)  # what the doc calls JSON is JSON
+            else:
+                printed.append(out + err)
+
+
+# a number with a unit of time, a rate, a size or a percentage: what differs from run to run
+_VOLATILE = re.compile(r"-?\d+(\.\d+)?(e-?\d+)?\s?(s|ms|us|µs|MB|GB/s|%|x)(?=\W|$)")
+
+
+def _normal(line: str) -> str:
+    """A line with its volatile figures replaced and runs of spaces (table padding) collapsed."""
+    return " ".join(_VOLATILE.sub("<N>", line).split())
+
+
+def _json_agrees(shown, real, where="") -> list[str]:
+    if isinstance(shown, dict):
+        if not isinstance(real, dict):
+            return [f"{where}: the doc shows an object, the output has {type(real).__name__}"]
+        bad = [f"{where}.{k}: not in the output" for k in shown if k not in real]
+        return bad + [p for k in shown if k in real for p in _json_agrees(shown[k], real[k], f"{where}.{k}")]
+    if isinstance(shown, list):
+        if not isinstance(real, list):
+            return [f"{where}: the doc shows a list, the output has {type(real).__name__}"]
+        cut = next((i for i, x in enumerate(shown) if isinstance(x, str) and x.startswith("...")), None)
+        if cut is None and len(shown) != len(real):
+            return [f"{where}: {len(shown)} entries shown, {len(real)} in the output"]
+        return [p for i, x in enumerate(shown[:cut]) for p in _json_agrees(x, real[i] if i < len(real) else None,
+                                                                           f"{where}[{i}]")]
+    if isinstance(shown, float) and isinstance(real, (int, float)) and not isinstance(real, bool):
+        return [] if real == pytest.approx(shown, rel=5e-3) else [f"{where}: doc {shown}, output {real}"]
+    return [] if shown == real else [f"{where}: doc {shown!r}, output {real!r}"]
+
+
+def check_output(doc: Path, block: Block, printed: str, last_json) -> None:
+    text = "\n".join(t for _, t in block.lines)
+    if block.lang == "json":
+        assert last_json is not None, f"{doc.name}:{block.line}: a JSON output block with no --json run before it"
+        problems = _json_agrees(json.loads(text), last_json)
+        assert not problems, f"{doc.name}:{block.line}: the JSON shown is not what bisect wrote: {problems[:5]}"
+        return
+    real = {_normal(x) for x in printed.splitlines()}
+    missing = [(n, t) for n, t in block.lines if t.strip() and t.strip() != "..." and _normal(t) not in real]
+    assert not missing, (f"{doc.name}:{missing[0][0]}: this output line was not printed by the commands above it:\n"
+                         + "\n".join(f"{n}: {t}" for n, t in missing)
+                         + f"\n--- what they printed ---\n{printed[-6000:]}")
 
 
 @pytest.mark.parametrize("doc,blocks", list(_run_params()))
 def test_example_blocks_run(doc, blocks, tmp_path, monkeypatch, capsys):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
+    monkeypatch.setenv("COLUMNS", "120")
     monkeypatch.chdir(tmp_path)
     run_blocks(doc, blocks, tmp_path, capsys)
 
@@ -327,7 +387,7 @@ def _documented_keys(doc: Path, column: int = 1) -> dict[str, set[str]]:
             section = line.lstrip("#").strip()
             keys[section] = set()
         elif section and line.startswith("| ") and not line.startswith("|--") and len(line.split("|")) > column + 1:
-            keys[section].update(re.findall(r"`([A-Za-z_]+)`", line.split("|")[column]))
+            keys[section].update(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", line.split("|")[column]))
     return keys
 
 
@@ -394,3 +454,22 @@ def test_trace_format_doc_lists_every_field(recorded_trace):
         assert on_disk[k] <= section(prefix), (prefix, sorted(on_disk[k] - section(prefix)))
     for line in (recorded_trace / "checksums.jsonl").read_text().splitlines():
         assert all(f'"{k}"' in text for k in json.loads(line)), line
+
+
+def test_output_check_catches_drift(tmp_path, monkeypatch, capsys):
+    """Output a doc shows must be what the commands print (else the docs could show anything)."""
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"{RUN_MARKER}\n```bash\ndivtrace show missing-trace   # exit 2\n```\n\n"
+                   f"{OUTPUT_MARKER}\n```text\n{{}}\n...\n```\n")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    main(["show", "missing-trace"])
+    printed = capsys.readouterr().err.strip()
+    doc.write_text(doc.read_text().replace("{}", printed))
+    run_blocks(doc, extract(doc)[1], tmp_path, capsys)
+    doc.write_text(doc.read_text().replace(printed, printed + " (not really)"))
+    with pytest.raises(AssertionError, match="was not printed by the commands above it"):
+        run_blocks(doc, extract(doc)[1], tmp_path, capsys)
+    assert _normal("│ side a    │ 7.0 us │ 96% of b │") == _normal("│ side a │ 12.5 us │ 101% of b │")
+    assert _json_agrees({"a": [1, "..."], "b": 0.0155}, {"a": [1, 2, 3], "b": 0.01552, "c": 0}) == []
+    assert _json_agrees({"a": [2, "..."]}, {"a": [1, 2]}) == [".a[0]: doc 2, output 1"]

@@ -105,7 +105,7 @@ def _json_edit(data, lines, i, draw) -> bytes:
 
 def _problem(code, out, err) -> str | None:
     lines = err.strip().splitlines()
-    if code not in (0, 1, 2):
+    if code not in (0, 1, 2, 3):  # 3: inconclusive (a killed or cut trace with nothing diverged before the cut)
         return f"exit {code}"
     if "Traceback" in err or "internal error" in err:
         return "crash: " + err.strip()[-300:]
@@ -162,6 +162,10 @@ def run_example(bases: dict, draw) -> list[str]:
             STATS["identical"] += 1
             if changed and base_name != "unverified" and not _honest_prefix(t, base, json.loads(out)):
                 found.append(f"{base_name}/{target}/{kind}: a changed trace was reported identical")
+            from divtrace.trace.reader import Trace
+
+            if not Trace(t).complete:  # issue 22: an incomplete trace is never "identical" (inconclusive, exit 3)
+                found.append(f"{base_name}/{target}/{kind}: an incomplete trace was reported identical")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     STATS["crashes"] += found

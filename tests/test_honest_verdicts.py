@@ -37,8 +37,9 @@ def test_nothing_compared_is_an_error_not_identical(tmp_path):
 
 def test_calls_only_on_one_side_are_said(tmp_path):
     """Side b ran a second micro-batch: every compared tensor is equal, but b's second root call was never
-    compared. The verdict stays "identical" (CONTRACT: every compared tensor equal) and a warning says what was
-    left out; it used to be only a count in `unmatched_calls`."""
+    compared. A warning says what was left out (it used to be only a count in `unmatched_calls`), and the verdict
+    is inconclusive (exit 3): b's final output has no counterpart, so "identical" cannot be claimed (issue 22;
+    the verdict was "identical" before)."""
     m = Tiny()
     with torch.no_grad():
         with divtrace.record(m, tmp_path / "a", mode="hash"):
@@ -48,10 +49,12 @@ def test_calls_only_on_one_side_are_said(tmp_path):
             m(tiny_input(2))
     code, out, _ = cli("bisect", tmp_path / "a", tmp_path / "b", "--json")
     r = json.loads(out)
-    assert code == 0 and r["verdict"] == "identical" and r["unmatched_calls"] == {"a": 0, "b": 4}
+    assert code == 3 and r["verdict"] == "inconclusive" and r["unmatched_calls"] == {"a": 0, "b": 4}
+    assert r["coverage"]["only_b"] == 4 and r["coverage"]["final_compared"] is False
+    assert "the final outputs were not compared" in r["reason"] and "call 1 (of 2)" in r["reason"]
     assert any("4 only in b were not compared (a called the root 1 times, b 2)" in w for w in r["warnings"])
     code, out, err = cli("bisect", tmp_path / "a", tmp_path / "b")
-    assert code == 0 and out.startswith("PASSED: identical") and "were not compared" in err
+    assert code == 3 and out.startswith("INCONCLUSIVE: ") and "were not compared" in err
 
 
 class _Head(nn.Module):

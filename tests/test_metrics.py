@@ -129,7 +129,8 @@ def test_ulp_across_zero(dt):
     a, b = from_bits([1], dt), from_bits([sign | 1], dt)
     assert float(a.double()) > 0 > float(b.double())
     assert ulp_distance(a, b).tolist() == [2]
-    assert compare_tensors(a, b).max_ulp == 2
+    d = compare_tensors(a, b)
+    assert d.max_ulp_raw == 2 and d.sign_flips == 1 and d.max_ulp == 0  # a flip is not a same-sign ULP distance
 
 
 def test_inf_vs_finite():
@@ -151,7 +152,8 @@ def test_ulp_saturates_float64():
     a = torch.tensor([-math.inf, -1.0], dtype=torch.float64)
     b = torch.tensor([math.inf, 1.0], dtype=torch.float64)
     assert ulp_distance(a, b).tolist() == [2**63 - 1, 2 * 0x3FF0000000000000]
-    assert compare_tensors(a, b).max_ulp == 2**63 - 1
+    d = compare_tensors(a, b)
+    assert d.max_ulp_raw == 2**63 - 1 and d.sign_flips == 2 and d.max_ulp == 0
     f = ulp_distance(torch.tensor([-math.inf]), torch.tensor([math.inf]))
     assert f.tolist() == [2 * 0x7F800000]
 
@@ -170,12 +172,49 @@ def test_ulp_distance_errors_and_nan():
 
 
 def test_max_rel_denominator():
+    """max_rel is |a - b| / max(|a|, |b|): symmetric, 1 against an exact zero, 2 for opposite signs."""
     d = compare_tensors(torch.tensor([100.0, 1.0]), torch.tensor([100.5, 1.0]))
     assert d.max_rel == pytest.approx(0.5 / 100.5)
+    assert compare_tensors(torch.tensor([100.5]), torch.tensor([100.0])).max_rel == pytest.approx(0.5 / 100.5)
     z = compare_tensors(torch.tensor([1.0]), torch.tensor([0.0]))
-    assert z.max_rel == pytest.approx(1.0 / torch.finfo(torch.float32).tiny)
+    assert z.max_rel == pytest.approx(1.0)
     h = compare_tensors(torch.tensor([1.0], dtype=torch.float16), torch.tensor([0.0], dtype=torch.float16))
-    assert h.max_rel == pytest.approx(1.0 / torch.finfo(torch.float16).tiny)
+    assert h.max_rel == pytest.approx(1.0)
+    tiny = torch.finfo(torch.bfloat16).tiny
+    near_zero = compare_tensors(torch.tensor([1e-3, 3 * tiny], dtype=torch.bfloat16),
+                                torch.tensor([1e-3, -tiny], dtype=torch.bfloat16))
+    assert near_zero.max_rel == pytest.approx(4 / 3, rel=1e-2)  # was |a - b| / |b| = 4 (1e35 for |b| ~ 1e-38)
+    assert compare_tensors(torch.tensor([0.0]), torch.tensor([-0.0])).max_rel == 0.0  # no 0/0
+
+
+def test_ulp_across_zero_is_a_sign_flip():
+    """A tiny value that changes sign is a sign flip, not ~30000 ULP; the old figure stays as max_ulp_raw."""
+    a = torch.tensor([1.0, 1e-4, 0.5], dtype=torch.bfloat16)
+    b = torch.tensor([1.0, -1e-4, 0.5], dtype=torch.bfloat16)
+    b[2] = torch.tensor(0.50390625, dtype=torch.bfloat16)
+    d = compare_tensors(a, b)
+    assert d.mismatched == 2 and d.sign_flips == 1
+    assert d.max_ulp == 1
+    assert d.max_ulp_raw > 28000  # through zero: every bf16 between -1e-4 and 1e-4
+    only_flip = compare_tensors(torch.tensor([1e-4], dtype=torch.bfloat16), torch.tensor([-1e-4], dtype=torch.bfloat16))
+    assert only_flip.sign_flips == 1 and only_flip.max_ulp == 0 and only_flip.max_ulp_raw > 28000
+    # a zero agrees with both signs: 0 vs -x is a ULP distance (from zero), not a flip; -0.0 vs 0.0 is neither
+    zero = compare_tensors(torch.tensor([0.0, 0.0]), torch.tensor([-0.0, -torch.finfo(torch.float32).tiny]))
+    assert zero.sign_flips == 0 and zero.max_ulp == zero.max_ulp_raw == 2 ** 23
+    equal = compare_tensors(a, a.clone())
+    assert equal.sign_flips == 0 and equal.max_ulp_raw == 0
+    assert compare_tensors(torch.tensor([1, 2]), torch.tensor([1, 3])).sign_flips is None  # ints: no ULP at all
+
+
+def test_ulp_tolerance_keeps_the_raw_distance():
+    """--ulp N compares the raw distance: a flip between the two smallest subnormals (2 ULP) passes --ulp 2,
+    a flip of 1e-4 does not (it passes an --atol that covers it)."""
+    sub = torch.tensor([1], dtype=torch.int32).view(torch.float32)
+    d = compare_tensors(sub, -sub, Tolerance(ulp=2))
+    assert d.sign_flips == 1 and d.within_tolerance is True
+    a, b = torch.tensor([1e-4], dtype=torch.bfloat16), torch.tensor([-1e-4], dtype=torch.bfloat16)
+    assert compare_tensors(a, b, Tolerance(ulp=2)).within_tolerance is False
+    assert compare_tensors(a, b, Tolerance(ulp=2, atol=1e-3)).within_tolerance is True
 
 
 # --- non-float dtypes -------------------------------------------------------

@@ -116,3 +116,37 @@ def test_identical_runs_plot_without_origin(tmp_path):
     write_plots(a, b, r, png=png, html=page)
     _png_size(png.read_bytes())
     assert "verdict:</b> identical" in page.read_text() and "class='dv'" not in page.read_text()
+
+
+class SignFlip(nn.Module):
+    """Side b negates the output elements closest to zero: a sign flip, not tens of thousands of ULP."""
+
+    def __init__(self, flip: bool):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.flip = flip
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.flip:
+            small = y.abs() < 0.05
+            y = torch.where(small, -y, y)
+        return y
+
+
+def test_sign_flips_are_counted_not_plotted_as_ulp(tmp_path):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3), dtype=torch.bfloat16)
+    traces = []
+    for side, flip in (("a", False), ("b", True)):
+        torch.manual_seed(0)
+        m = nn.Sequential(SignFlip(flip)).to(torch.bfloat16)
+        record_model(m, (x,), tmp_path / side, label=side)
+        traces.append(tmp_path / side)
+    r = divtrace.bisect(*traces)
+    d = r.to_dict()["first"]
+    assert d["sign_flips"] > 0 and d["max_ulp"] == 0 and d["max_ulp_raw"] > 1000
+    points = [p for p in collect(*(Trace(t) for t in traces)) if not p.equal]
+    assert points and all(p.max_ulp == 0 and p.sign_flips > 0 for p in points)
+    page = tmp_path / "flip.html"
+    write_plots(*traces, r, png=tmp_path / "flip.png", html=page)
+    assert "sign flips" in page.read_text()

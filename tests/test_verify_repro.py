@@ -5,6 +5,7 @@ sweep (batch 1 and the larger size) while passing the recorded inputs and the tr
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -64,4 +65,9 @@ def test_profile_prints_ratios(generated, capsys):
     assert main(["verify", str(repro), "--patch", f"{fixes}:side_b", "--side", "b", "--trials", "1",
                  "--profile"]) == 0
     out = capsys.readouterr().out
-    assert "patch: " in out and "% of side b (the side it replaces)" in out and "% of side a" in out
+    assert "patch throughput: " in out and "% of side b (the side it replaces)" in out and "% of side a" in out
+    # throughput and time per call, and they agree (time = 1 / throughput)
+    m = re.search(r"patch throughput: (\d+)% of side b \(the side it replaces\), (\d+)% of side a; "
+                  r"time per call: ([\d.]+)x side b, ([\d.]+)x side a", out)
+    assert m, out[-1500:]
+    assert float(m.group(3)) == pytest.approx(100 / int(m.group(1)), rel=0.02, abs=0.01)

@@ -2,27 +2,82 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
 from divtrace.cli.output import Output
 
 
+def _token_text(t: dict) -> str:
+    seq = t["seq"]
+    return (f"position {t['position']} (id {t['id']}) of sequence {seq['id']} (first ids "
+            f"{', '.join(map(str, seq['first_ids']))}): a root call {t['a']['call']} row {t['a']['row']}, "
+            f"b root call {t['b']['call']} row {t['b']['row']}")
+
+
+def render_token_parts(o: Output, d: dict) -> None:
+    """The parts of a token-aligned result that a call-aligned one has not: tokens, rows, origins, final per token."""
+    tk = d["tokens"]
+    o.line(f"tokens: {tk['shared']} shared, {tk['only_a']} only in a, {tk['only_b']} only in b, {tk['differing']} "
+           f"differ; final logits compared for {tk['final_compared']} ({tk['final_differing']} differ)")
+    f = d["first"]
+    if f is not None:
+        rows = [["token", _token_text(f["token"])],
+                ["op rows", f"a: {f['rows']['a']}   b: {f['rows']['b']}"]]
+        if f.get("batch_invariance"):
+            rows.append(["cause", "not batch-invariant: " + f["batch_invariance"]["note"]])
+        o.table("first diverging token", ["field", "value"], rows)
+    if len(d["origins"]) > 1:
+        o.table("independent origins (inputs equal for the token, output differs), in forward order",
+                ["module", "call", "op", "cause", "tokens"],
+                [[x["module"] or "<root>", x["call"], x["op"] or x["op_b"] or "-", x["cause"], x["tokens"]]
+                 for x in d["origins"]])
+    fin = d.get("final")
+    if fin:
+        rows = [["tokens compared / differing", f"{fin['tokens_compared']} / {fin['tokens_differing']}"]]
+        if fin.get("first_differing_token"):
+            rows.append(["first differing token", _token_text(fin["first_differing_token"])])
+        for k, label in (("max_abs_logprob_diff", "max |dlogprob| (next token)"),
+                         ("mean_abs_logprob_diff", "mean |dlogprob|"),
+                         ("kl", f"KL({fin.get('kl_direction', 'a||b')}) mean per token"),
+                         ("kl_reverse", "KL reverse, mean per token"), ("kl_k3", "k3 KL (mean)"),
+                         ("token_mult_prob_error", "token_mult_prob_error")):
+            if fin.get(k) is not None:
+                rows.append([label, fin[k]])
+        o.table("final mismatch per shared token (root output logits)", ["metric", "value"], rows)
+
+
 def render_bisect(o: Output, r) -> None:
     d = r.to_dict()
     la, lb = r.labels
-    if r.verdict == "identical":
+    tokens = d.get("alignment") == "tokens"
+    if tokens and r.verdict == "identical":
+        tk = d["tokens"]
+        o.passed(f"identical: {tk['shared']} shared tokens, every compared row bitwise equal ({r.compared} row pairs; "
+                 f"final logits of {tk['final_compared']} tokens) [{la} vs {lb}]")
+    elif r.verdict == "inconclusive":
+        o.print(f"[bold yellow]INCONCLUSIVE[/]: {d.get('reason')}")
+    elif r.verdict == "identical":
         o.passed(f"identical: {r.compared} tensor pairs compared, every one bitwise equal (dtype, shape and bytes) "
                  f"[{la} vs {lb}]")
     elif r.verdict == "within_tolerance":
         o.passed(f"within tolerance: {r.compared} tensor pairs compared, {r.bitwise_differs} differ bitwise but "
                  f"all pass {d['tolerance']}")
+    elif r.verdict == "inconclusive":
+        c = r.coverage
+        seen = (f"{r.compared} tensor pairs compared over {c.calls_compared} call pairs, all equal" if r.compared
+                else "nothing compared")
+        o.inconclusive(f"{r.reason} [{la} vs {lb}: {seen}; {c.only_a} calls only in a, {c.only_b} only in b]")
     else:
         f = r.first
         where = f.module or "<root>"
         ops = f" op {f.op}" + (f" (a) / {f.op_b} (b)" if f.op_b and f.op_b != f.op else "") if f.op or f.op_b else ""
-        o.failed(f"diverged: first divergence originates in {where} call {f.call}{ops} [cause: {f.cause}]")
+        tok = d["first"].get("token") if tokens else None
+        at = f" at token position {tok['position']} of sequence {tok['seq']['id']}" if tok else ""
+        o.failed(f"diverged: first divergence originates in {where} call {f.call}{ops}{at} [cause: {f.cause}]")
+        if not all(r.complete):
+            o.line(f"note: {r.reason}")
     for w in r.warnings:
         o.warn(w)
     if r.first is not None:
@@ -42,9 +97,15 @@ def render_bisect(o: Output, r) -> None:
         if f["metrics_available"] and f["mismatched"] is not None:
             rows += [["mismatched", f"{f['mismatched']} of {f['numel']} elements"],
                      ["max abs / max rel", f"{f['max_abs']:.6g} / {f['max_rel']:.6g}" if f["max_abs"] is not None else "-"],
-                     ["max ULP", f["max_ulp"]],
+                     ["max ULP", f["max_ulp"] if not f.get("sign_flips") else
+                      f"{f['max_ulp']} where the signs agree; {f['sign_flips']} sign flips (through zero: "
+                      f"{f['max_ulp_raw']})"],
                      ["first mismatch", f"index {f['first_index']}: a={f['first_a']} ({f['first_a_bits']})  "
                                         f"b={f['first_b']} ({f['first_b_bits']})"]]
+        elif f.get("reason"):
+            rows.append(["metrics", "unavailable (see 'differs in')"])
+        elif r.metrics_available:
+            rows.append(["metrics", "unavailable for this tensor"])
         else:
             rows.append(["metrics", "unavailable (hash-only trace)"])
         o.table("first divergence", ["field", "value"], rows)
@@ -53,6 +114,8 @@ def render_bisect(o: Output, r) -> None:
                     ["side", "ops"],
                     [["a", ", ".join(x["op"].removeprefix("aten.") for x in f["region_a"]) or "-"],
                      ["b", ", ".join(x["op"].removeprefix("aten.") for x in f["region_b"]) or "-"]])
+    if tokens:
+        render_token_parts(o, d)
     if r.hint:
         o.line(f"hint: {r.hint}")
     if r.settings:
@@ -61,7 +124,7 @@ def render_bisect(o: Output, r) -> None:
         o.table("next diverging records", ["record", "module", "call", "cause", "tensor", "max abs", "max ULP"],
                 [[n["index"], n["module"] or "<root>", n["call"], n["cause"], n["tensor"], n["max_abs"], n["max_ulp"]]
                  for n in d["next"]])
-    if r.final:
+    if r.final and not tokens:
         fin = r.final
         o.table("final mismatch (root output " + str(fin.get("tensor")) + ")", ["metric", "value"],
                 [["bitwise identical", fin.get("identical")],
@@ -73,7 +136,7 @@ def render_bisect(o: Output, r) -> None:
 def bisect(
     a: Annotated[Path, typer.Argument(metavar="A", help="trace of side a (e.g. training)")],
     b: Annotated[Path, typer.Argument(metavar="B", help="trace of side b (e.g. inference)")],
-    json_out: Annotated[bool, typer.Option("--json", help="machine-readable result (see CONTRACT)")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="machine-readable result (keys: docs/json.md)")] = False,
     atol: Annotated[Optional[float], typer.Option(help="opt-in absolute tolerance")] = None,
     rtol: Annotated[Optional[float], typer.Option(help="opt-in relative tolerance")] = None,
     ulp: Annotated[Optional[int], typer.Option(help="opt-in tolerance in ULPs")] = None,
@@ -81,11 +144,21 @@ def bisect(
     next_n: Annotated[int, typer.Option("--next", help="how many further diverging records to list")] = 5,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write a PNG of where the runs part, per record")] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="write an HTML report of the same")] = None,
+    align: Annotated[Literal["auto", "tokens", "calls"], typer.Option("--align", help="pair by tokens (a rollout's prefill and decode steps "
+                                         "against a trainer's micro-batches) or by module calls; auto: tokens when "
+                                         "both traces carry token identity and their calls hold different rows")
+                     ] = "auto",
 ):
     """Find the first divergence between two traces: the module and aten op where it originates.
 
     Comparison is bitwise (dtype, shape and raw bytes; -0.0 != 0.0, NaNs by their bits) unless --atol,
-    --rtol or --ulp is given. Exit 0 identical, 1 diverged, 2 bad input.
+    --rtol or --ulp is given. Exit 0 identical (both traces complete, final outputs compared and equal),
+    1 diverged, 2 bad input, 3 inconclusive (a trace stopped early or holds computation divtrace did not see,
+    and nothing diverged before: the INCONCLUSIVE line says why and what to do).
+
+    Traces that carry token identity (HF-style calls, or rec.tokens declarations) are aligned token by token
+    when their calls differ: each shared token's rows are compared in every module and op, and the report names
+    the first diverging token, the rows each side's op ran over, and the batch-size cause where it applies.
 
     \b
     Examples:
@@ -93,6 +166,7 @@ def bisect(
       divtrace bisect runs/train runs/infer --json
       divtrace bisect runs/train runs/infer --map names.yaml --ulp 2
       divtrace bisect runs/train runs/infer --plot parting.png
+      divtrace bisect runs/train runs/rollout --align tokens
     """
     from divtrace.compare.align import PathMap
     from divtrace.compare.bisect import bisect as run_bisect
@@ -101,11 +175,36 @@ def bisect(
     o = Output(json_out)
     tol = Tolerance(atol=atol, rtol=rtol, ulp=ulp)
     path_map = PathMap.from_file(map_file) if map_file else None
-    r = run_bisect(a, b, tol=tol, path_map=path_map, n_next=next_n)
+    r = run_bisect(a, b, tol=tol, path_map=path_map, n_next=next_n, align=align)
     if plot is not None or html is not None:
-        from divtrace.compare.plot import write_plots
+        from divtrace.errors import DivtraceError
+        from divtrace.oserrors import cannot_write
 
-        write_plots(a, b, r, png=plot, html=html, path_map=path_map)
+        tokens = getattr(r, "alignment", "calls") == "tokens"
+        if tokens and html is not None:
+            raise DivtraceError("--html is not made for a token-aligned bisect yet; use --plot FILE.png (token x "
+                                "module), or --align calls")
+        try:
+            if tokens:
+                from divtrace.compare.token_plot import write_token_plot
+
+                write_token_plot(r, plot)
+            else:
+                from divtrace.compare.plot import write_plots
+
+                write_plots(a, b, r, png=plot, html=html, path_map=path_map)
+        except (OSError, DivtraceError) as e:
+            err = e if isinstance(e, DivtraceError) else cannot_write(getattr(e, "filename", None) or plot or html,
+                                                                     e, "cannot write the plot")
+            # A file cut short by a full disk must not pass for the report: remove it and say so.
+            bad = next((p for p in (plot, html) if p is not None and str(err).startswith(f"{p}: ")), None)
+            if bad is not None and bad.is_file():
+                try:
+                    bad.unlink()
+                    err = DivtraceError(f"{err}; the partial file was removed")
+                except OSError:
+                    err = DivtraceError(f"{err}; the partial file {bad} is left: remove it")
+            raise err from None
     if json_out:
         o.json(r.to_dict())
     else:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from divtrace.records import json_safe
@@ -24,7 +25,7 @@ class Output:
         if self._console is None:
             from rich.console import Console
 
-            self._console = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
+            self._console = Console(highlight=False, soft_wrap=False, width=_width(sys.stdout))
         return self._console
 
     @property
@@ -32,7 +33,7 @@ class Output:
         if self._err is None:
             from rich.console import Console
 
-            self._err = Console(stderr=True, highlight=False)
+            self._err = Console(stderr=True, highlight=False, width=_width(sys.stderr))
         return self._err
 
     def json(self, obj) -> None:
@@ -55,6 +56,10 @@ class Output:
         if not self.json_mode:
             self.console.print(f"[bold red]FAILED[/]: {_esc(text)}")
 
+    def inconclusive(self, text: str) -> None:
+        if not self.json_mode:
+            self.console.print(f"[bold yellow]INCONCLUSIVE[/]: {_esc(text)}")
+
     def warn(self, text: str) -> None:
         self.err.print(f"[yellow]warning[/]: {_esc(text)}")
 
@@ -71,6 +76,20 @@ class Output:
         self.console.print(t)
 
 
+def _width(stream) -> int | None:
+    """COLUMNS when set (also when the output is a pipe or a file), else the terminal's width, else 120."""
+    try:
+        cols = int(os.environ.get("COLUMNS", ""))
+        if cols > 0:
+            return cols
+    except ValueError:
+        pass
+    try:
+        return None if stream.isatty() else 120
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return 120
+
+
 def _esc(s: str) -> str:
     from rich.markup import escape
 
@@ -85,6 +104,11 @@ def _fmt(v) -> str:
     return str(v)
 
 
+errors_printed = 0  # error lines printed so far (main() says "interrupted" only where nothing was said)
+
+
 def error(message: str) -> None:
     """The single place errors are printed: one line on stderr."""
+    global errors_printed
+    errors_printed += 1
     sys.stderr.write(f"divtrace: error: {message}\n")

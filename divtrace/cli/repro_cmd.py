@@ -10,8 +10,8 @@ from divtrace.cli.output import Output
 
 
 def repro(
-    a: Annotated[Path, typer.Argument(help="trace of side a (e.g. training)")],
-    b: Annotated[Path, typer.Argument(help="trace of side b (e.g. inference)")],
+    a: Annotated[Path, typer.Argument(metavar="A", help="trace of side a (e.g. training)")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="trace of side b (e.g. inference)")],
     out: Annotated[Path, typer.Option("--out", "-o", help="directory to write repro.py and its data into")],
     at: Annotated[Optional[int], typer.Option("--at", help="record index of side a (an op or a module call's "
                                                           "exit) to reproduce instead of the first divergence")] = None,
@@ -26,7 +26,9 @@ def repro(
     The script needs only torch and safetensors. `python DIR/repro.py` exits 1 while the sides differ and
     0 once they are bitwise equal; `--trials N` adds random inputs. Before writing, divtrace runs each side
     and checks that it reproduces that side's recorded output bit for bit. Exit 0 written and reproduces,
-    1 written but a side does not reproduce (see the FAILED line), 2 bad input (e.g. hash-only traces).
+    1 written but a side does not reproduce (see the FAILED line), 2 bad input (e.g. hash-only traces, an
+    --out that cannot be written), 3 no divergence to reproduce and the comparison is inconclusive (a trace
+    stopped early: see `divtrace bisect`).
 
     \b
     Examples:
@@ -38,10 +40,17 @@ def repro(
     from divtrace.compare.align import PathMap
     from divtrace.repro.writer import write_repro
 
+    from divtrace.trace.reader import Trace
+
     o = Output(json_out)
     path_map = PathMap.from_file(map_file) if map_file else None
-    r = write_repro(a, b, out, at=at, path_map=path_map, imports=imports or [], overwrite=overwrite)
+    ta, tb = Trace(a), Trace(b)
+    r = write_repro(ta, tb, out, at=at, path_map=path_map, imports=imports or [], overwrite=overwrite)
     m = r.manifest
+    for t in (ta, tb):
+        if not t.complete:  # what was recorded ran, so the divergence is real; later ones may be missing
+            r.warnings.append(f"trace {t.path} is incomplete (status: {t.status}): the divergence reproduced is real, "
+                              "but the recording stopped before its end")
     for w in r.warnings:
         o.warn(w)
     if json_out:

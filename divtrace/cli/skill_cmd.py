@@ -49,7 +49,12 @@ def install_skill(dest_root: Path) -> Path:
             shutil.rmtree(dest)
         tmp.rename(dest)  # a half-copied skill is never left where agents look
     except OSError as e:
-        raise DivtraceError(f"{dest}: cannot install the skill: {e.strerror or e}") from None
+        from divtrace.oserrors import os_reason
+
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-copied skill is never left behind either
+        left = " (a partial copy is left in " + str(tmp) + ": remove it)" if tmp.exists() else ""
+        state = "the earlier copy is unchanged" if dest.exists() else "nothing was installed"
+        raise DivtraceError(f"{dest}: cannot install the skill: {os_reason(e)}; {state}{left}") from None
     return dest
 
 

@@ -3,7 +3,7 @@ gate), how fast (--profile), and end to end (--runs)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -18,7 +18,9 @@ def _t(s: float | None) -> str:
 
 
 def _shapes(m: dict) -> str:
-    return " ".join(f"{k}{v}" for k, v in (m.get("shapes") or {}).items()).replace(" ", "") if m.get("shapes") else "-"
+    """`x [2, 16, 128], w [128]`: each input's name, then its shape."""
+    shapes = m.get("shapes") or {}
+    return ", ".join(f"{k} [{', '.join(map(str, v))}]" for k, v in shapes.items()) if shapes else "-"
 
 
 def _row(c: dict) -> list:
@@ -72,8 +74,7 @@ def render_checks(o: Output, res: dict) -> None:
     if trials:
         (o.passed if not bad_trials else o.failed)(f"trials: {trial_text}")
     for w in res.get("warnings") or []:
-        o.warn(w)
-        o.line(f"WARNING: {w}")
+        o.warn(w)  # once, on stderr (as every command's warnings)
 
 
 def render_profile(o: Output, res: dict) -> None:
@@ -96,16 +97,19 @@ def render_profile(o: Output, res: dict) -> None:
     o.line(f"copy bandwidth measured in this run: {p['copy_bw_gb_per_s']:.3g} GB/s; region moves {p['bytes_moved']} "
            f"bytes ({p['bytes_rule']}); flops: {p['flops_rule']}")
     rs = ratios(c, res.get("side") if res.get("patch") else None)
+    # Throughput (work per second) and time per call, both said: "215%" alone reads either way.
     if res.get("patch"):
         (who, a1, r1), (_, a2, r2) = rs
-        o.line(f"{who}: {r1:.0f}% of {a1} (the side it replaces), {r2:.0f}% of {a2} (throughput)")
+        o.line(f"{who} throughput: {r1:.0f}% of {a1} (the side it replaces), {r2:.0f}% of {a2}; time per call: "
+               f"{100 / r1:.2f}x {a1}, {100 / r2:.2f}x {a2}")
     else:
         who, a1, r1 = rs[0]
-        o.line(f"{who}: {r1:.0f}% of {a1} (throughput)")
+        o.line(f"{who} throughput: {r1:.0f}% of {a1}; time per call: {100 / r1:.2f}x {a1}")
     rows = [[k, e["op"], f"{e['calls_per_iter']:g}", f"{e['self_us_per_iter']:.1f}", f"{e['share_pct']:.0f}"]
             for k, v in c.items() for e in v.get("top_ops", [])[:5]]
     if rows:
-        o.table("torch.profiler top ops (self time)", ["candidate", "op", "calls/iter", "self us/iter", "share %"],
+        o.table("torch.profiler top ops (self time; us/iter = the op's share of the profiled time x the median above)",
+                ["candidate", "op", "calls/iter", "self us/iter", "share %"],
                 rows)
 
 
@@ -120,9 +124,10 @@ def render_runs(o: Output, e2e: dict) -> None:
 
 
 def verify(
-    repro_dir: Annotated[Optional[Path], typer.Argument(help="repro directory written by `divtrace repro`")] = None,
+    repro_dir: Annotated[Optional[Path], typer.Argument(metavar="REPRO_DIR",
+                                                        help="repro directory written by `divtrace repro`")] = None,
     patch: Annotated[Optional[str], typer.Option(help="FILE.py:FUNC with the same parameters as side_a/side_b")] = None,
-    side: Annotated[Optional[str], typer.Option(help="the side the patch replaces: a or b")] = None,
+    side: Annotated[Optional[Literal["a", "b"]], typer.Option(help="the side the patch replaces")] = None,
     trials: Annotated[int, typer.Option(help="fresh random input sets at the recorded shapes")] = 20,
     profile: Annotated[bool, typer.Option("--profile", help="time a, b and the patch once the checks pass")] = False,
     force_profile: Annotated[bool, typer.Option("--force-profile", help="profile even when the checks fail")] = False,
@@ -133,12 +138,15 @@ def verify(
     baseline_a: Annotated[Optional[Path], typer.Option(help="unfixed trace of run a: forward-time ratio")] = None,
     baseline_b: Annotated[Optional[Path], typer.Option(help="unfixed trace of run b: forward-time ratio")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="keep the --runs traces here (DIR/a, DIR/b)")] = None,
-    mode: Annotated[str, typer.Option(help="--runs recording mode: hash or full")] = "hash",
+    mode: Annotated[Literal["hash", "full"], typer.Option(help="--runs recording mode")] = "hash",
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable result")] = False,
 ):
-    """Check a fix: bitwise equal to the other side on the recorded inputs, on --trials random inputs and on a
-    shape sweep (batch 1, the recorded size, a larger one; another sequence length), and as accurate as the sides
-    against an fp64 reference. Without --patch it checks side a against side b ("still differs?").
+    """Check a fix on a repro (bitwise, random trials, a shape sweep, an fp64 gate), or end to end with --runs.
+
+    The patch (--patch FILE.py:FUNC, with side_a's and side_b's parameters) replaces --side a or b and must be
+    bitwise equal to the other side on the recorded inputs, on --trials random inputs and on a shape sweep (batch
+    1, the recorded size, a larger one, another sequence length), and as accurate as the sides against an fp64
+    reference. Without --patch, verify checks side b against side a: it fails (exit 1) while the sides differ.
 
     A swept shape the original side cannot run is SKIPPED, not FAILED. The patch runs under the settings of the
     side it replaces. --profile times a, b and the patch once the checks pass. --runs re-records two ENTRYs (as in

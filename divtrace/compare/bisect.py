@@ -20,6 +20,8 @@ from math import prod
 
 from divtrace.compare.align import Pairing, PathMap, ValueComparator
 from divtrace.compare.diffs import TensorDiff, Tolerance
+from divtrace.compare.verdict import (EXIT_CODES, INCONCLUSIVE, Coverage, TraceSeen, decide, progress,
+                                     unseen_of)
 from divtrace.errors import DivtraceError
 from divtrace.records import ModuleCall, OpRecord
 from divtrace.trace.reader import Trace, gc_paused, itemsize
@@ -165,8 +167,8 @@ class Divergence:
              "region_a": [{"index": i, "op": o} for i, o in self.region_a],
              "region_b": [{"index": i, "op": o} for i, o in self.region_b], "outside_input": self.outside_input}
         m = self.diff.to_dict() if self.diff is not None else {}
-        for k in ("reason", "max_abs", "max_ulp", "max_rel", "mismatched", "nan_mismatch", "first_index", "first_a", "first_b",
-                  "first_a_bits", "first_b_bits"):
+        for k in ("reason", "max_abs", "max_ulp", "max_ulp_raw", "sign_flips", "max_rel", "mismatched", "nan_mismatch",
+                  "first_index", "first_a", "first_b", "first_a_bits", "first_b_bits"):
             d[k] = m.get(k)
         d["metrics_available"] = self.diff is not None
         return d
@@ -174,7 +176,7 @@ class Divergence:
 
 @dataclass
 class BisectResult:
-    verdict: str  # "identical" | "diverged" | "within_tolerance"
+    verdict: str  # "identical" | "diverged" | "within_tolerance" | "inconclusive" (divtrace.compare.verdict)
     compared: int
     first: Divergence | None
     next: list[Divergence]
@@ -189,13 +191,16 @@ class BisectResult:
     hint: str | None = None
     bitwise_differs: int = 0
     tolerance: dict | None = None
+    reason: str = ""  # why this verdict (and, when inconclusive, what to do next)
+    coverage: Coverage | None = None
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.verdict == "diverged" else 0
+        return EXIT_CODES[self.verdict]
 
     def to_dict(self) -> dict:
-        return {"verdict": self.verdict, "compared": self.compared,
+        return {"verdict": self.verdict, "alignment": "calls", "reason": self.reason,
+                "coverage": self.coverage.to_dict() if self.coverage else None, "compared": self.compared,
                 "first": self.first.to_dict() if self.first else None,
                 "next": [d.to_dict() for d in self.next], "final": self.final, "settings_diff": self.settings,
                 "labels": {"a": self.labels[0], "b": self.labels[1]}, "traces": {"a": self.paths[0], "b": self.paths[1]},
@@ -497,9 +502,71 @@ def _top_pairs(ta: Trace, pairing: Pairing):
             yield ca, cb
 
 
-def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = None, n_next: int = 5) -> BisectResult:
-    """Compare two traces (paths or `Trace`s) and localize their first divergence."""
+def _seen(t: Trace, side: str, other: Trace) -> TraceSeen:
+    """What the verdict rule needs to know of trace `t` (the other trace measures how far it got)."""
+    return TraceSeen(side, str(t.path), t.complete, getattr(t, "status", t.meta.get("status", "?")),
+                     t.meta.get("error") if isinstance(t.meta.get("error"), str) else None,
+                     None if t.complete else progress(t, other), unseen_of(t.meta))
+
+
+def _final_outputs(ta: Trace, tb: Trace, pairing: Pairing, walker: _Walker) -> tuple[bool, bool | None, str | None]:
+    """(compared, equal, why not compared) for the final outputs: the last top-level call of each side (the
+    root's last call; with include= the last narrowed call) must have returned, pair with the other side's, and
+    hold at least one tensor paired with one of the other's."""
+    last = {}
+    for side, t in (("a", ta), ("b", tb)):
+        tops = [c for c in t.calls.values() if c.parent is None]
+        c = max(tops, key=lambda c: c.enter_index)
+        if c.exit_index is None:
+            return False, None, f"the last root call of {side} ({c.module or '<root>'} call {c.call}) never returned"
+        last[side] = (c, len(tops))
+    (ca, na), (cb, nb) = last["a"], last["b"]
+    partner = pairing.partner(ca)
+    if partner is None or partner.call_id != cb.call_id:
+        return False, None, (f"the last root calls do not pair up: a's is {ca.module or '<root>'} call {ca.call} "
+                             f"(of {na}), b's is {cb.module or '<root>'} call {cb.call} (of {nb})")
+    if not walker.cmp.pairs(ca.outputs, cb.outputs):
+        return False, None, (f"the output of {ca.module or '<root>'} call {ca.call} holds no tensor on both sides "
+                             "to compare")
+    return True, walker.out_mismatch(ca, cb) is None, None
+
+
+def _nothing_to_compare(ta: Trace, tb: Trace) -> BisectResult:
+    """The verdict when a trace stopped before anything could be compared (before its first module call was
+    written, say): inconclusive, saying why."""
+    v = decide(origin_found=False, within_tolerance=False, final_compared=False, final_equal=None,
+               a=_seen(ta, "a", tb), b=_seen(tb, "b", ta), calls_compared=0, only_a=len(ta.calls),
+               only_b=len(tb.calls), final_note="nothing was compared")
+    assert v.verdict == INCONCLUSIVE, v  # only an incomplete trace gets here
+    return BisectResult(
+        verdict=v.verdict, reason=v.reason, coverage=v.coverage, compared=0, first=None, next=[], settings=[],
+        final=None, labels=(ta.label, tb.label), paths=(str(ta.path), str(tb.path)),
+        metrics_available=ta.mode == "full" and tb.mode == "full", complete=(ta.complete, tb.complete),
+        unmatched={"a": len(ta.calls), "b": len(tb.calls)},
+        warnings=[w for t in (ta, tb) for w in getattr(t, "warnings", [])])
+
+
+def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = None, n_next: int = 5,
+           align: str = "auto") -> BisectResult:
+    """Compare two traces (paths or `Trace`s) and localize their first divergence.
+
+    `align`: "calls" pairs module calls by path and call number; "tokens" pairs the tokens both runs computed
+    (divtrace.compare.token_bisect: a rollout's prefill and decode steps against a trainer's full-sequence
+    micro-batches); "auto" (default) takes tokens when both traces carry token identity and their root calls do
+    not already hold the same tokens in the same rows (where they do, the two alignments are the same)."""
+    if align not in ("auto", "tokens", "calls"):
+        raise DivtraceError(f"align must be 'auto', 'tokens' or 'calls', got {align!r}")
     with gc_paused():  # its caches are many small objects in no cycle (a 100k-record bisect: 0.25 s of collections)
+        if align != "calls":
+            from divtrace.compare.token_align import token_alignment_needed
+
+            ta = a if isinstance(a, Trace) else Trace(a)
+            tb = b if isinstance(b, Trace) else Trace(b)
+            if token_alignment_needed(ta, tb, forced=align == "tokens"):
+                from divtrace.compare.token_bisect import token_bisect  # (numpy: only where tokens are aligned)
+
+                return token_bisect(ta, tb, tol=tol, path_map=path_map, n_next=n_next)
+            a, b = ta, tb
         return _bisect(a, b, tol, path_map, n_next)
 
 
@@ -507,9 +574,11 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
     ta = a if isinstance(a, Trace) else Trace(a)
     tb = b if isinstance(b, Trace) else Trace(b)
     for t in (ta, tb):
-        if not t.calls:
+        if not t.calls and t.complete:
             raise DivtraceError(f"{t.path}: the trace holds no module calls (was the recorded model called inside "
                                 "the record block?)")
+    if not ta.calls or not tb.calls:  # a recording that stopped before its first call was written
+        return _nothing_to_compare(ta, tb)
     pairing = Pairing(ta, tb, path_map)
     nonroot = lambda keys: {k for k in keys if k[0] != ""}
     if not pairing.common or (nonroot(pairing.by_key_a) and nonroot(pairing.by_key_b)
@@ -562,6 +631,8 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
         first = nxt.pop(0) if nxt else None
         warnings.append("the call trees of the two traces do not nest the same way; the first divergence is the "
                         "earliest differing call, not localized further")
+    if not cmp.compared and not (ta.complete and tb.complete):
+        return _nothing_to_compare(ta, tb)  # a recording that stopped before any tensor pair could be compared
     if not cmp.compared:
         # "identical" over no pair at all would be a claim about nothing (every tensor skipped when recording,
         # meta tensors, say): refuse rather than pass.
@@ -587,11 +658,16 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
     if verdict == "diverged" and first is None:
         raise DivtraceError(f"{ta.path} vs {tb.path}: tensors differ but no aligned module call differs; "
                             "cannot localize (please report this)")
+    final_compared, final_equal, final_note = _final_outputs(ta, tb, pairing, walker)
+    v = decide(origin_found=first is not None, within_tolerance=verdict == "within_tolerance",
+               final_compared=final_compared, final_equal=final_equal, a=_seen(ta, "a", tb), b=_seen(tb, "b", ta),
+               calls_compared=len(aligned), only_a=unmatched["a"], only_b=unmatched["b"], final_note=final_note)
     env_keys = ("torch_version", "device", "cuda_device_name")
     sets = _settings_diff({**ta.meta.get("settings", {}), **{k: ta.meta.get(k) for k in env_keys}},
                          {**tb.meta.get("settings", {}), **{k: tb.meta.get(k) for k in env_keys}})
     return BisectResult(
-        verdict=verdict, compared=cmp.compared, first=first, next=nxt, settings=sets,
+        verdict=v.verdict, reason=v.reason, coverage=v.coverage, compared=cmp.compared, first=first, next=nxt,
+        settings=sets,
         final=_final(ta, tb, pairing, cmp), labels=(ta.label, tb.label), paths=(str(ta.path), str(tb.path)),
         metrics_available=cmp.values_available, complete=(ta.complete, tb.complete), unmatched=unmatched,
         warnings=warnings, hint=_hint(ta, tb, first), bitwise_differs=cmp.bitwise_differs,

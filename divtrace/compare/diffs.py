@@ -37,7 +37,9 @@ class TensorDiff:
     mismatched: Optional[int] = None
     max_abs: Optional[float] = None
     max_rel: Optional[float] = None
-    max_ulp: Optional[int] = None
+    max_ulp: Optional[int] = None  # over the pairs whose signs agree (see sign_flips)
+    max_ulp_raw: Optional[int] = None  # over every pair, sign flips counted through zero (what max_ulp was)
+    sign_flips: Optional[int] = None  # non-zero pairs of opposite sign
     nan_mismatch: int = 0
     first_index: Optional[list] = None
     first_a: Optional[str] = None

@@ -155,7 +155,8 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor, tol: Optional[Tolerance] =
     ra, rb = raw_bits(a), raw_bits(b)
     if torch.equal(ra, rb):  # fast path: the common case in a bitwise tool
         diff.equal, diff.mismatched, diff.max_abs, diff.max_rel = True, 0, 0.0, 0.0
-        diff.max_ulp = 0 if is_float else None
+        diff.max_ulp = diff.max_ulp_raw = 0 if is_float else None
+        diff.sign_flips = 0 if is_float else None
         diff.within_tolerance = True if tol_on else None
         return diff
 
@@ -188,15 +189,27 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor, tol: Optional[Tolerance] =
         tiny = 1.0  # integers: relative error against |b|, but never divide by 0
     absb = fb.abs()
     diff.max_abs = float(_max(absdiff, 0.0))
-    # An infinite difference is infinitely relative; checking it up front also
-    # keeps inf / inf = NaN out of the division.
-    diff.max_rel = math.inf if diff.max_abs == math.inf else \
-        float(_max(absdiff / absb.clamp(min=tiny), 0.0))
+    # Relative to the larger magnitude of the pair, max(|a|, |b|): symmetric in a and b and bounded (1 where
+    # one side is 0, 2 where the signs are opposite), so a value near zero cannot blow it up to 1e35 the way
+    # |a - b| / |b| does. An infinite difference is infinitely relative; checking it up front also keeps
+    # inf / inf = NaN out of the division.
+    if diff.max_abs == math.inf:
+        diff.max_rel = math.inf
+    else:
+        absa = (fa if a.is_floating_point() or a.is_complex() else sa.to(torch.float64)).abs()
+        diff.max_rel = float(_max(absdiff / torch.maximum(absa, absb).clamp(min=tiny), 0.0))
 
     ulp = None
     if is_float:
-        ulp = _ulp_from_bits(ra[sel, 0], rb[sel, 0], itemsize * 8).masked_fill_(any_nan, -1)
-        diff.max_ulp = int(_max(ulp, 0))
+        ia, ib = ra[sel, 0], rb[sel, 0]
+        ulp = _ulp_from_bits(ia, ib, itemsize * 8).masked_fill_(any_nan, -1)
+        diff.max_ulp_raw = int(_max(ulp, 0))
+        # A pair of non-zero values of opposite sign is a sign flip: its ULP distance counts every float between
+        # them, through zero (about 2 * 16000 for two tiny bf16 values), which says nothing about the error.
+        # Flips are counted on their own; max_ulp is over the pairs whose signs agree (a zero agrees with both).
+        flips = ((ia < 0) != (ib < 0)) & (fa != 0) & (fb != 0) & ~any_nan
+        diff.sign_flips = int(flips.sum())
+        diff.max_ulp = int(_max(ulp.masked_fill(flips, -1), 0))
 
     if tol_on:
         ok = torch.zeros(idx.numel(), dtype=torch.bool, device=a.device)
@@ -207,7 +220,7 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor, tol: Optional[Tolerance] =
                 close = torch.where(fa.isinf() | fb.isinf(), fa == fb, close)
             ok |= close
         if tol.ulp is not None and ulp is not None:
-            ok |= ulp <= tol.ulp  # the -1 of NaN pairs is settled by the NaN rule below
+            ok |= ulp <= tol.ulp  # the raw distance: a sign flip passes only between neighbours of zero  # the -1 of NaN pairs is settled by the NaN rule below
         # Non-float dtypes have no ULP notion: with only a ulp tolerance they
         # must match exactly, which ok=False for every mismatch expresses.
         if any_nan is not None:

@@ -2,8 +2,9 @@
 
 One point per aligned module call pair, placed at the call's exit record in A (so the x axis is A's record
 index, the same numbers `bisect` reports). With values (both traces in full mode) the y axes are the largest
-ULP distance and the largest absolute difference over the call's outputs, log scale, equal calls at a floor
-below the first decade. Hash-mode traces hold no values, so the picture is a strip: equal or diverged.
+ULP distance over the elements whose signs agree (a tiny value that changes sign is a sign flip, counted on its
+own, not ~30000 ULP through zero; see docs/json.md) and the largest absolute difference over the call's outputs,
+log scale, equal calls at a floor below the first decade. Hash-mode traces hold no values, so the picture is a strip: equal or diverged.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class CallPoint:
     max_ulp: float | None = None
     max_abs: float | None = None
     mismatched: int | None = None
+    sign_flips: int | None = None  # non-zero elements of opposite sign (not in max_ulp)
     numel: int = 0
     tensor: str = ""
     note: str = ""  # "dtype differs ..." when no numeric metric exists
@@ -67,8 +69,10 @@ def collect(a: Trace, b: Trace, path_map: PathMap | None = None) -> list[CallPoi
                 p.max_abs = max(p.max_abs or 0.0, d.max_abs)
             if d.mismatched is not None:
                 p.mismatched = (p.mismatched or 0) + d.mismatched
+            if d.sign_flips is not None:
+                p.sign_flips = (p.sign_flips or 0) + d.sign_flips
         if p.equal and cmp.values_available:
-            p.max_ulp, p.max_abs, p.mismatched = 0, 0.0, 0
+            p.max_ulp, p.max_abs, p.mismatched, p.sign_flips = 0, 0.0, 0, 0
         points.append(p)
     return points
 
@@ -104,7 +108,7 @@ def _tex(s: str) -> str:
 def _value_panels(axes, points: list[CallPoint]) -> None:
     """Max ULP (top) and max |a - b| (bottom), log scale; equal calls on a dotted floor line."""
     xs_eq = [p.index for p in points if p.equal]
-    for ax, ylabel, get, floor in ((axes[0], "max ULP", lambda p: p.max_ulp, 0.5),
+    for ax, ylabel, get, floor in ((axes[0], "max ULP (signs agree)", lambda p: p.max_ulp, 0.5),
                                    (axes[1], "max |a - b|", lambda p: p.max_abs, None)):
         pts = [(p.index, get(p)) for p in points if not p.equal and get(p)]
         if floor is None:  # a decade below the smallest difference drawn
@@ -116,7 +120,11 @@ def _value_panels(axes, points: list[CallPoint]) -> None:
         if pts:
             ax.plot(*zip(*pts), color=DIVERGED, lw=0.8, alpha=0.5, zorder=2)
             ax.scatter(*zip(*pts), s=16, color=DIVERGED, label="differs", zorder=4)
-        nometric = [p.index for p in points if not p.equal and not get(p)]
+        nometric = [p.index for p in points if not p.equal and get(p) is None]
+        zero = [p.index for p in points if not p.equal and get(p) == 0]  # only sign flips, or -0.0 vs 0.0
+        if zero:
+            ax.scatter(zero, [floor] * len(zero), marker="v", s=22, color=DIVERGED,
+                       label="differs, 0 ULP where signs agree (sign flips or -0.0)", zorder=4)
         if nometric:
             ax.scatter(nometric, [top / 1.6] * len(nometric), marker="x", s=22, color=DIVERGED,
                        label="differs (dtype/shape, no metric)", zorder=4)
@@ -225,7 +233,7 @@ def render_html(result, points: list[CallPoint], png: bytes) -> str:
         rows.append(f"<tr class='{cls}'><td>{p.index}</td><td><code>{e(p.module or '<root>')}</code></td>"
                     f"<td>{p.call}</td><td>{e(status + (' (origin)' if origin else ''))}</td>"
                     f"<td>{e(p.tensor or '-')}</td><td>{_fmt(p.max_ulp)}</td><td>{_fmt(p.max_abs)}</td>"
-                    f"<td>{_fmt(p.mismatched)} / {p.numel}</td><td>{e(p.note)}</td></tr>")
+                    f"<td>{_fmt(p.sign_flips)}</td><td>{_fmt(p.mismatched)} / {p.numel}</td><td>{e(p.note)}</td></tr>")
     img = base64.b64encode(png).decode("ascii")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>divtrace bisect: {e(la)} vs {e(lb)}</title>
@@ -241,8 +249,8 @@ img {{ max-width: 100%; }}
 {head}
 <img alt="max ULP and max abs difference per module call" src="data:image/png;base64,{img}">
 <h2>module calls in execution order ({len(points)} aligned pairs)</h2>
-<table><tr><th>record (a)</th><th>module</th><th>call</th><th>status</th><th>tensor</th><th>max ULP</th>
-<th>max abs</th><th>mismatched / numel</th><th>note</th></tr>
+<table><tr><th>record (a)</th><th>module</th><th>call</th><th>status</th><th>tensor</th><th>max ULP (signs agree)</th>
+<th>sign flips</th><th>max abs</th><th>mismatched / numel</th><th>note</th></tr>
 {chr(10).join(rows)}
 </table></body></html>
 """

@@ -23,7 +23,7 @@ SIZE_ARG = {"view": 1, "_unsafe_view": 1, "reshape": 1, "_reshape_alias": 1, "ex
             "expand_copy": 1, "new_empty": 1, "new_zeros": 1, "new_ones": 1, "new_full": 1, "new_empty_strided": 1}
 CREATION_SIZE_ARG = {"full": 0, "zeros": 0, "ones": 0, "empty": 0, "empty_strided": 0, "rand": 0, "randn": 0}
 # names the script defines or imports at module level, or uses inside the sides (B): never an input's name
-BUILTIN_NAMES = {"torch", "B", "DEVICE", "RECORDED_DEVICE", "HERE", "sys", "json", "math", "argparse", "load_file",
+BUILTIN_NAMES = {"torch", "B", "S", "DEVICE", "RECORDED_DEVICE", "HERE", "sys", "json", "math", "argparse", "load_file",
                  "Path", "importlib"}
 
 
@@ -121,12 +121,38 @@ def literal(x, ctx: Ctx) -> str:
     raise Unreplayable(f"argument {str(x)[:80]!r} cannot be written as Python")
 
 
-def _size_literal(size, batch: int) -> str:
-    """A size list with its leading entry in terms of the runtime batch `B` (recorded `batch`)."""
-    head = size[0]
-    k = head // batch
-    items = ["B" if k == 1 else f"B * {k}"] + [literal(s, Ctx({}, "")) for s in size[1:]]
+def _size_literal(size, batch: int | None, seq: int | None = None) -> str:
+    """A size list with its leading entry in terms of the runtime batch `B` (recorded `batch`; None: kept) and
+    the entries equal to the recorded sequence length `seq` as `S` (None: kept)."""
+    items = []
+    for j, s in enumerate(size):
+        if j == 0 and batch is not None:
+            k = s // batch
+            items.append("B" if k == 1 else "B * S" if seq is not None and k == seq else f"B * {k}")
+        elif seq is not None and type(s) is int and s == seq:
+            items.append("S")
+        else:
+            items.append(literal(s, Ctx({}, "")))
     return "[" + ", ".join(items) + "]"
+
+
+def seq_sites(side: Side, seq: int) -> set[int]:
+    """Region ops with a size argument (views, expands, tensor creation) that holds the recorded sequence length,
+    and `arange(seq)`."""
+    sites = set()
+    for i in side.ops:
+        rec = side.trace.records[i]
+        name = op_short(rec.op)
+        if name == "arange" and rec.args and type(rec.args[0]) is int and rec.args[0] == seq:
+            sites.add(i)
+            continue
+        pos = SIZE_ARG.get(name, CREATION_SIZE_ARG.get(name))
+        if pos is None or pos >= len(rec.args):
+            continue
+        size = rec.args[pos]
+        if isinstance(size, list) and all(type(s) is int for s in size) and seq in size:
+            sites.add(i)
+    return sites
 
 
 def symbolic_sites(side: Side, batch: int, creation: bool) -> set[int]:
@@ -163,10 +189,17 @@ class SideCode:
     custom_ops: list[str] = field(default_factory=list)
     unreplayable: list[str] = field(default_factory=list)
     symbolic: bool = False
+    seq_symbolic: bool = False  # some size is written in terms of S
+
+
+def select_row(x, index: list):
+    """x[index] with ":" for a whole dim (Side.row_index)."""
+    return x[tuple(slice(None) if i == ":" else i for i in index)]
 
 
 def gen_side(letter: str, side: Side, names: dict[int, str], params: list[str], relayout: dict[int, tuple],
-             device: str, batch: int | None, sites: set[int], batch_input: str | None) -> SideCode:
+             device: str, batch: int | None, sites: set[int], batch_input: str | None, seq: int | None = None,
+             seq_input: tuple[str, int] | None = None) -> SideCode:
     """`def side_<letter>(<params>):` replaying the region's ops in record order."""
     t = side.trace
     ref = dict(names)
@@ -177,9 +210,13 @@ def gen_side(letter: str, side: Side, names: dict[int, str], params: list[str], 
     lines.append(f"    # {len(side.ops)} recorded ops of trace {letter} ({ascii(str(t.label))}), in record order")
     code = SideCode("", [], [], [])
     use_sym = bool(sites) and batch is not None and batch_input is not None
+    s_sites = seq_sites(side, seq) if seq is not None and seq_input is not None else set()
     if use_sym:
         lines.append(f"    B = {batch_input}.shape[0]  # the batch size (recorded: {batch})")
         code.symbolic = True
+    head = len(lines)  # the DEVICE line goes here when an op needs it
+    if relayout:  # a local copy of the harness's helper: the function stays self-contained (copy it into a patch)
+        lines += ["    " + x if x else x for x in _WITH_LAYOUT.splitlines()]
     for vid, (shape, stride) in relayout.items():
         lines.append(f"    {names[vid]} = _with_layout({names[vid]}, {pylit(list(shape))}, {pylit(list(stride))})"
                      f"  # this side received it in this memory layout")
@@ -196,8 +233,11 @@ def gen_side(letter: str, side: Side, names: dict[int, str], params: list[str], 
             pos = SIZE_ARG.get(name, CREATION_SIZE_ARG.get(name))
             args = []
             for j, a in enumerate(rec.args):
-                if use_sym and i in sites and j == pos:
-                    args.append(_size_literal(a, batch))
+                b_site, s_site = use_sym and i in sites, i in s_sites
+                if j == pos and (b_site or s_site):
+                    args.append(_size_literal(a, batch if b_site else None, seq if s_site else None))
+                elif s_site and name == "arange" and j == 0:
+                    args.append("S")
                 else:
                     args.append(literal(a, ctx))
             bad = [k for k in rec.kwargs if not _IDENT.match(str(k)) or keyword.iskeyword(str(k))]
@@ -226,9 +266,26 @@ def gen_side(letter: str, side: Side, names: dict[int, str], params: list[str], 
                 n += 1
                 ref[vid] = var
                 lines.append(f"    {var} = _r{''.join(f'[{k}]' for k in path)}")
-    lines.append(f"    return {ref[side.output]}")
+    if side.row_index is not None:  # token alignment: the token's row of this side's output (its batch is its own)
+        idx = ", ".join(":" if i == ":" else str(i) for i in side.row_index)
+        lines.append(f"    return {ref[side.output]}[{idx}]  # the token's row of a [{', '.join(map(str, t.values[side.output].shape))}] output")
+    else:
+        lines.append(f"    return {ref[side.output]}")
+    if s_sites and any(re.search(r"\bS\b", x) for x in lines[head:]):
+        lines.insert(head, f"    S = {seq_input[0]}.shape[{seq_input[1]}]  # the sequence length (recorded: {seq})")
+        code.seq_symbolic = True
+    if any(re.search(r"\bDEVICE\b", x) for x in lines[head:]):
+        # Local, not the script's global: a side copied into a patch file must run as it is. The device is that
+        # of an input that lived on the recorded device, so `repro.py --device` and verify move it along.
+        on_dev = next((names[v] for v in side.leaves if v in names and str(t.values[v].device) == device), None)
+        lines.insert(head, f"    DEVICE = {on_dev}.device  # where the sides run (the recorded {ascii(device)} "
+                           "unless moved)" if on_dev else f"    DEVICE = torch.device({ascii(device)})")
     code.source = "\n".join(lines) + "\n"
     return code
+
+
+# harness._with_layout, for sides that re-lay out an input themselves (they define it locally)
+_WITH_LAYOUT = HARNESS[HARNESS.index("def _with_layout("):HARNESS.index("\n\n\ndef _device(")].strip("\n")
 
 
 HEADER = '''"""divtrace repro: both sides of one divergence as plain torch code, on the tensors they were recorded with.
@@ -253,7 +310,8 @@ from safetensors.torch import load_file
 
 
 def render(*, device: str, origin: dict, input_names: list[str], specs: dict, batch: int | None, settings: dict,
-           side_codes: dict[str, SideCode], custom_imports: list[tuple[str, str, str | None]], counts: dict) -> str:
+           side_codes: dict[str, SideCode], custom_imports: list[tuple[str, str, str | None]], counts: dict,
+           token_ties: list | None = None) -> str:
     """The whole script. custom_imports: (op, module, directory it was found in or None)."""
     out = [HEADER]
     if custom_imports:
@@ -284,6 +342,10 @@ def render(*, device: str, origin: dict, input_names: list[str], specs: dict, ba
     out.append(f"BATCH = {pylit(batch)}  # the recorded batch size (leading dim of the batched inputs)")
     out.append(f"SETTINGS_A = {pylit(settings['a'])}")
     out.append(f"SETTINGS_B = {pylit(settings['b'])}")
+    if token_ties:
+        out.append("# Token alignment: each side runs the token at its own batch and returns the token's row. These")
+        out.append("# [input of b, row, input of a, row] hold the same token's input row: random trials copy it across.")
+        out.append(f"TOKEN_TIES = {pylit(token_ties)}")
     out.append("")
     for letter in ("a", "b"):
         out.append("")

@@ -112,6 +112,12 @@ def random_inputs(seed, shapes=None):
         else:
             x = _draw(g, shape, dtype, spec["min"], spec["max"]).to(_device(spec))
         out[k] = _with_layout(x, spec["shape"], spec["stride"])
+    for nb, ib, na, ia in globals().get("TOKEN_TIES") or ():  # the token's input row, the same on both sides
+        sel = lambda idx: tuple(slice(None) if i == ":" else i for i in idx)  # noqa: E731
+        try:
+            out[nb][sel(ib)] = out[na][sel(ia)]
+        except (IndexError, RuntimeError):  # a swept shape without that row: the sides are not tied there
+            pass
     return out
 
 
@@ -153,7 +159,7 @@ def compare(a, b):
     a, b = a.detach().cpu(), b.detach().cpu()
     r = {"equal": False, "dtype_a": str(a.dtype), "dtype_b": str(b.dtype), "shape_a": list(a.shape),
          "shape_b": list(b.shape), "aligned": list(a.shape) != list(b.shape), "numel": a.numel(), "reason": None,
-         "mismatched": None, "max_abs": None, "max_ulp": None, "first_index": None, "first_a": None,
+         "mismatched": None, "max_abs": None, "max_ulp": None, "sign_flips": None, "first_index": None, "first_a": None,
          "first_b": None, "first_a_bits": None, "first_b_bits": None}
     if a.numel() != b.numel():
         r["reason"] = f"sizes differ: {list(a.shape)} vs {list(b.shape)}"
@@ -170,6 +176,7 @@ def compare(a, b):
     r["equal"] = r["mismatched"] == 0 and a.dtype == b.dtype
     if r["mismatched"] == 0:
         r["max_abs"], r["max_ulp"] = 0.0, 0 if a.is_floating_point() else None
+        r["sign_flips"] = r["max_ulp"]
         return r
     sa, sb = fa[idx], fb[idx]
     if a.is_complex():
@@ -180,8 +187,12 @@ def compare(a, b):
     r["max_abs"] = float(absd.max()) if absd.numel() else 0.0
     if a.dtype == b.dtype and a.is_floating_point():
         nbits = a.element_size() * 8
-        ulp = (_ordered(_bits(sa), nbits) - _ordered(_bits(sb), nbits)).abs().masked_fill(nan, -1)
-        r["max_ulp"] = int(ulp.max())
+        ia, ib = _bits(sa), _bits(sb)
+        ulp = (_ordered(ia, nbits) - _ordered(ib, nbits)).abs().masked_fill(nan, -1)
+        # non-zero values of opposite sign: counted apart, not as the ~30000 ULP between two tiny bf16 values
+        flips = ((ia < 0) != (ib < 0)) & (da != 0) & (db != 0) & ~nan
+        r["sign_flips"] = int(flips.sum())
+        r["max_ulp"] = int(ulp.masked_fill(flips, 0).max())
     first = int(idx[0])
     index, rest = [], first
     for n in reversed(list(a.shape)):
@@ -242,7 +253,8 @@ def _report(rows):
     for name, r in rows:
         table.append([name, "yes" if r["equal"] else "NO",
                       f"{r['mismatched']}/{r['numel']}" if r["mismatched"] is not None else (r["reason"] or "-"),
-                      _fmt(r["max_abs"]), _fmt(r["max_ulp"]),
+                      _fmt(r["max_abs"]),
+                      _fmt(r["max_ulp"]) + (f" (+{r['sign_flips']} sign flips)" if r["sign_flips"] else ""),
                       _fmt(r["first_index"]) + (" (reshaped)" if r["aligned"] else ""),
                       f"{r['first_a']} ({r['first_a_bits']})" if r["first_a"] is not None else "-",
                       f"{r['first_b']} ({r['first_b_bits']})" if r["first_b"] is not None else "-"])

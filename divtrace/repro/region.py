@@ -59,6 +59,10 @@ class Target:
     cause: str
     tensor: str
     warnings: list[str] = field(default_factory=list)
+    # Token alignment: each side's trace seen through the token (its keys decide which values the sides share),
+    # and the index of the token's row in each side's output (the repro compares that row, not the batch).
+    views: dict | None = None
+    row_index: dict | None = None
 
 
 @dataclass
@@ -72,6 +76,7 @@ class Side:
     call: ModuleCall
     before: int  # ops a repro of the whole diverging call would hold (its subtree, plus region ops outside it)
     roles: dict[int, str] = field(default_factory=dict)  # leaf vid -> activation | parameter | constant
+    row_index: list | None = None  # token alignment: the side returns output[row_index] (":" is a whole dim)
 
 
 def _value_key(t: Trace, vid: int):
@@ -81,10 +86,15 @@ def _value_key(t: Trace, vid: int):
 
 def _first_divergence(ta: Trace, tb: Trace, path_map: PathMap | None):
     r = bisect(ta, tb, path_map=path_map, n_next=0)
+    if r.verdict == "inconclusive":
+        from divtrace.compare.verdict import Inconclusive
+
+        raise Inconclusive(f"{ta.path} and {tb.path}: no divergence found to reproduce, and the comparison is "
+                           f"inconclusive: {r.reason}")
     if r.first is None:
         raise DivtraceError(f"{ta.path} and {tb.path}: no divergence ({r.verdict}: {r.compared} tensor pairs compared, "
                             "all bitwise equal); there is nothing to reproduce")
-    return r.first
+    return r
 
 
 def _call_by_key(t: Trace, module: str, call: int) -> ModuleCall:
@@ -94,8 +104,41 @@ def _call_by_key(t: Trace, module: str, call: int) -> ModuleCall:
     raise DivtraceError(f"{t.path}: no call {call} of module {module!r}")
 
 
+def _token_target(ta: Trace, tb: Trace, r, path_map: PathMap | None) -> Target:
+    """The first divergence of a token-aligned bisect: each side's call that holds the token, the differing values
+    (each side's whole tensor, at the batch that side ran), and the token's row in each."""
+    from divtrace.compare.token_align import TokenView
+    from divtrace.tokens import layout
+
+    first = r.first
+    ra, ca, rb, cb = r.first_cells
+    va_view, vb_view = TokenView(r.token_sides[0], ra, ca), TokenView(r.token_sides[1], rb, cb)
+    call_a = next(c for c in va_view.calls.values() if c.module == first.module and c.call == first.call)
+    call_b = Pairing(va_view, vb_view, path_map).partner(call_a)
+    if call_b is None:
+        raise DivtraceError(f"{tb.path}: no counterpart of {first.module or '<root>'} for the token; cannot cut a repro")
+    rows = {}
+    for s, view, vid in (("a", va_view, first.vid_a), ("b", vb_view, first.vid_b)):
+        e = view.tokens.index.index.get(vid)
+        g = view.tokens.index.grids[view.root_cid]
+        r_ = layout.cell_row(e[1], g.shape, view.cell) if e is not None and e[0] == view.root_cid and e[2] >= 0 else None
+        if r_ is None:
+            raise DivtraceError(f"{view.path}: the differing value of {first.module or '<root>'} has no row for the token "
+                                "(its token layout is unknown); cannot cut a repro of one token's row")
+        rows[s] = layout.row_index(e[1], g.shape, view.cell)
+    return Target(first.vid_a, first.vid_b, ta.calls[call_a.call_id], tb.calls[call_b.call_id], first.index,
+                  first.index_b, first.op, first.op_b, first.cause, first.tensor,
+                  views={"a": va_view, "b": vb_view}, row_index=rows)
+
+
 def find_target(ta: Trace, tb: Trace, at: int | None = None, path_map: PathMap | None = None) -> Target:
-    first = _first_divergence(ta, tb, path_map)
+    result = _first_divergence(ta, tb, path_map)
+    first = result.first
+    if getattr(result, "alignment", "calls") == "tokens":
+        if at is not None and at != first.index:
+            raise DivtraceError(f"{ta.path}: --at is not supported for a token-aligned divergence yet; the repro is "
+                                f"of the first one (record {first.index}); pass --align calls to bisect by calls")
+        return _token_target(ta, tb, result, path_map)
     pairing = Pairing(ta, tb, path_map)
     if at is None or at == first.index:
         ca = _call_by_key(ta, first.module, first.call)
@@ -151,15 +194,16 @@ def _root_inputs(t: Trace) -> set[int]:
     return {v for c in t.roots() for _, v in c.inputs if t.values[v].producer is None}
 
 
-def cone_keys(t: Trace, vid: int) -> set:
-    """Keys of every value `vid` depends on (itself included): what the side's computation could start from."""
+def cone_keys(t: Trace, vid: int, key=None) -> set:
+    """Keys of every value `vid` depends on (itself included): what the side's computation could start from.
+    `key(vid)` (token alignment: the token's row key) replaces the whole-value key."""
     keys, seen, todo = set(), set(), [vid]
     while todo:
         v = todo.pop()
         if v in seen:
             continue
         seen.add(v)
-        keys.add(_value_key(t, v))
+        keys.add(key(v) if key is not None else _value_key(t, v))
         p = t.values[v].producer
         if p is not None:
             todo.extend(t.records[p].inputs)
@@ -188,8 +232,9 @@ class _Walk:
 
     CONST_OPS = 8  # a constant computed outside the call in more ops than this is taken as an input instead
 
-    def __init__(self, t: Trace, start: int, call: ModuleCall, other_keys: set):
+    def __init__(self, t: Trace, start: int, call: ModuleCall, other_keys: set, key=None):
         self.t, self.start, self.call, self.other = t, start, call, other_keys
+        self.key = key if key is not None else (lambda vid: _value_key(t, vid))
         self.subtree = _subtree_ops(t, call)
         self.call_inputs = {v for _, v in call.inputs}
         self.memo: dict = {}
@@ -197,7 +242,7 @@ class _Walk:
     def stops(self, vid: int) -> bool:
         p = self.t.values[vid].producer
         return p is None or (vid != self.start and (
-            _value_key(self.t, vid) in self.other or vid in self.call_inputs))
+            self.key(vid) in self.other or vid in self.call_inputs))
 
     def walk(self, roots, ops: set, leaves: set, const_rule: bool = True) -> None:
         seen, todo = set(), list(roots)
@@ -239,7 +284,7 @@ class _Walk:
                     continue
                 src = rec.inputs[0]
                 strided = not _contiguous(v.shape, v.stride) and op_short(rec.op) in ALIAS_OPS
-                if _value_key(t, src) not in self.other and not strided:
+                if self.key(src) not in self.other and not strided:
                     continue
                 ops.add(p)
                 leaves.discard(vid)
@@ -251,9 +296,11 @@ class _Walk:
         leaves.difference_update(produced)
 
 
-def build_side(t: Trace, other: Trace, start: int, call: ModuleCall, other_start: int) -> Side:
-    """Each side's region and leaf inputs, from shared values to its diverging tensor `start`."""
-    w = _Walk(t, start, call, cone_keys(other, other_start))
+def build_side(t: Trace, other: Trace, start: int, call: ModuleCall, other_start: int, key=None,
+               other_key=None) -> Side:
+    """Each side's region and leaf inputs, from shared values to its diverging tensor `start`. `key`, `other_key`:
+    how each side's values are keyed (default: whole fingerprints; token alignment: the token's rows)."""
+    w = _Walk(t, start, call, cone_keys(other, other_start, other_key), key)
     ops, leaves = set(), set()
     w.walk([start], ops, leaves)
     w.climb(ops, leaves)

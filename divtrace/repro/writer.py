@@ -18,7 +18,8 @@ import torch
 
 from divtrace.compare.align import PathMap
 from divtrace.errors import DivtraceError
-from divtrace.repro import codegen
+from divtrace.oserrors import cannot_write, is_write_error
+from divtrace.repro import codegen, seqlen
 from divtrace.repro.region import (RANDOM_OPS, Side, Target, build_side, check_values, common_suffix_start,
                                    find_target, op_short, _value_key)
 from divtrace.settings import APPLICABLE, numerics_settings
@@ -247,7 +248,7 @@ def write_repro(a, b, out, *, at: int | None = None, path_map: PathMap | None = 
             raise DivtraceError(f"--import {m}: cannot import it: {type(e).__name__}: {e}") from None
     target = find_target(ta, tb, at, path_map)
     sides = _sides(ta, tb, target)
-    if at is None:
+    if at is None and target.row_index is None:  # (token rows: the row is the target; the suffix is the batch's)
         pair = common_suffix_start(sides["a"], sides["b"])
         if pair is not None:
             full = (len(sides["a"].ops), len(sides["b"].ops))
@@ -260,13 +261,57 @@ def write_repro(a, b, out, *, at: int | None = None, path_map: PathMap | None = 
                 f"({target.tensor}); the common computation after it ({full[0] - len(sides['a'].ops)} ops) is left out")
     check_values(target, sides["a"], sides["b"])
     out = Path(out)
-    _prepare_out(out, overwrite)
-    return _write(out, ta, tb, target, sides, imports)
+    created = not out.exists()
+    try:
+        _prepare_out(out, overwrite)
+        return _write(out, ta, tb, target, sides, imports)
+    except BaseException as e:
+        if not is_write_error(e):
+            raise
+        # A repro cut short by a failed write must not look whole: remove what was written (and the directory,
+        # when this run made it), and say so.
+        removed = _remove_partial(out, created)
+        where = getattr(e, "filename", None) or out
+        raise cannot_write(where, e, "cannot write the repro", removed) from None
+
+
+def _remove_partial(out: Path, created: bool) -> str:
+    """Remove a repro a failed write left half-written; what was done, in words."""
+    if not out.is_dir():
+        return "nothing was written"
+    left = []
+    for name in (*FILES, "__pycache__"):
+        p = out / name
+        try:
+            if p.is_dir():
+                import shutil
+
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+        except OSError:
+            left.append(name)
+    if left:
+        return f"could not remove the partial files {', '.join(left)} in {out}: delete them before using it"
+    if created:
+        try:
+            out.rmdir()
+            return f"the partial directory {out} was removed"
+        except OSError:
+            pass
+    return f"the partial files in {out} were removed"
 
 
 def _sides(ta: Trace, tb: Trace, target: Target) -> dict[str, Side]:
-    return {"a": build_side(ta, tb, target.va, target.call_a, target.vb),
-            "b": build_side(tb, ta, target.vb, target.call_b, target.va)}
+    if target.views is None:
+        return {"a": build_side(ta, tb, target.va, target.call_a, target.vb),
+                "b": build_side(tb, ta, target.vb, target.call_b, target.va)}
+    ka, kb = target.views["a"].vkey.__getitem__, target.views["b"].vkey.__getitem__
+    sides = {"a": build_side(ta, tb, target.va, target.call_a, target.vb, ka, kb),
+             "b": build_side(tb, ta, target.vb, target.call_b, target.va, kb, ka)}
+    for s in ("a", "b"):
+        sides[s].row_index = target.row_index[s]
+    return sides
 
 
 def _parting(side: Side) -> str | None:
@@ -310,20 +355,21 @@ class _Script:
                 lead == b or (marking == "multiple" and lead % b == 0))
             sp["batch_dim"] = 0 if ok else None
 
-    def build(self, symbolic: bool, creation: bool = False):
+    def build(self, symbolic: bool, creation: bool = False, seq: int | None = None):
         codes, customs = {}, []
+        s_input = seqlen.seq_input(self.specs) if seq is not None else None
         for s, side in self.sides.items():
             names = self.inp.names[s]
             sites = codegen.symbolic_sites(side, self.batch, creation) if symbolic and self.batch else set()
             batch_input = next((names[v] for v in side.leaves if self.specs[names[v]]["batch_dim"] == 0
                                 and self.specs[names[v]]["shape"][0] == self.batch), None)
             codes[s] = codegen.gen_side(s, side, names, self.names, self.relayout[s], self.device, self.batch, sites,
-                                        batch_input)
+                                        batch_input, seq=seq, seq_input=s_input)
             customs += [c for c in codes[s].custom_ops if c not in customs]
         found, missing = _custom_imports(customs, [t.meta for t in self.traces.values()], self.imports)
         src = codegen.render(device=self.device, origin=self.origin, input_names=self.names, specs=self.specs,
                              batch=self.batch, settings=self.settings, side_codes=codes, custom_imports=found,
-                             counts=self.counts)
+                             counts=self.counts, token_ties=getattr(self, "ties", None))
         return src, codes, found, missing
 
 
@@ -342,23 +388,58 @@ def _save_tensors(out: Path, traces: dict, target: Target, inp: _Inputs) -> tupl
         specs[name] = {"dtype": v.dtype, "shape": list(v.shape), "stride": list(v.stride), "device": v.device,
                        "role": inp.roles[key], "min": lo, "max": hi, "batch_dim": None}
     save_file(tensors, str(out / "inputs.safetensors"))
-    outputs = {"a": traces["a"].tensor(target.va).contiguous(), "b": traces["b"].tensor(target.vb).contiguous()}
+    outputs = {"a": traces["a"].tensor(target.va), "b": traces["b"].tensor(target.vb)}
+    if target.row_index is not None:  # token alignment: each side returns the token's row of its output
+        from divtrace.repro.codegen import select_row
+
+        outputs = {s: select_row(x, target.row_index[s]) for s, x in outputs.items()}
+    outputs = {s: x.contiguous() for s, x in outputs.items()}
     save_file(outputs, str(out / "expected.safetensors"))
     return specs, outputs
+
+
+def _token_ties(target: Target, sides: dict[str, Side], inp: _Inputs) -> list:
+    """Token alignment: [input of b, its row index, input of a, its row index] for each activation of side b whose
+    row for the token is an activation row of side a (the same token's row in each side's batch). Random trials
+    draw every row anew and then copy these rows across, so both sides see the token's same input row inside
+    batches that are otherwise random: a batch-invariant fix passes them, a kernel that depends on the rest of
+    its batch does not."""
+    from divtrace.tokens import layout
+
+    if target.views is None:
+        return []
+
+    def rows_of(s):
+        view = target.views[s]
+        idx = view.tokens.index.index
+        g = view.tokens.index.grids[view.root_cid]
+        got = {}
+        for vid in sides[s].leaves:
+            e = idx.get(vid)
+            if sides[s].roles.get(vid) != "activation" or e is None or e[0] != view.root_cid or e[2] < 0:
+                continue
+            where = layout.row_index(e[1], g.shape, view.cell)
+            if where is not None:
+                got.setdefault(view.vkey[vid], (inp.names[s][vid], where))
+        return got
+
+    ra, rb = rows_of("a"), rows_of("b")
+    return [[nb, ib, *ra[k]] for k, (nb, ib) in rb.items() if k in ra and ra[k][0] != nb]
 
 
 def _write(out: Path, ta: Trace, tb: Trace, target: Target, sides: dict[str, Side], imports: list[str]) -> ReproResult:
     inp = _Inputs(sides)
     specs, outputs = _save_tensors(out, {"a": ta, "b": tb}, target, inp)
     sc = _Script(ta, tb, target, sides, inp, specs, imports)
+    sc.ties = _token_ties(target, sides, inp)
     path = out / "repro.py"
     notes: list[str] = []
     sc.mark_batch("exact")
     src, codes, found, missing = sc.build(symbolic=False)
     fid = _check(path, src)[1]
     # The batch-symbolic version is kept only if it reproduces too and both sides run at another batch size.
-    symbolic = False
-    if all(r["ok"] for r in fid.values()) and sc.batch is not None:
+    symbolic, chosen_creation = False, False
+    if all(r["ok"] for r in fid.values()) and sc.batch is not None and target.row_index is None:
         why = "no input has the batch as its leading dim"
         for marking, creation in (("multiple", True), ("multiple", False), ("exact", True), ("exact", False)):
             sc.mark_batch(marking)
@@ -369,12 +450,29 @@ def _write(out: Path, ta: Trace, tb: Trace, target: Target, sides: dict[str, Sid
             why = (_batch_runs(cns, specs, sc.batch, sc.out_shapes) if all(r["ok"] for r in cfid.values())
                    else "the batch-symbolic version does not reproduce")
             if why is None:
-                (src, codes, found, missing), fid, symbolic = cand, cfid, True
+                (src, codes, found, missing), fid, symbolic, chosen_creation = cand, cfid, True, creation
                 break
         if not symbolic:
             sc.mark_batch("exact")
             src, codes, found, missing = sc.build(symbolic=False)
             notes.append(f"the region's code keeps the recorded shapes (batch {sc.batch}): {why}")
+    # The sequence length too (divtrace/repro/seqlen.py): kept only if it reproduces and runs at another length.
+    # (a token-aligned repro runs each side at its own batch and length: neither is one symbol for both)
+    seq = seqlen.seq_len(specs, sc.batch) if all(r["ok"] for r in fid.values()) and target.row_index is None else None
+    seq_symbolic = False
+    if seq is not None:
+        seqlen.mark(specs, seq)
+        cand = sc.build(symbolic=symbolic, creation=chosen_creation, seq=seq)
+        cns, cfid = _check(path, cand[0])
+        why = (seqlen.runs(cns, specs, seq, sc.out_shapes) if all(r["ok"] for r in cfid.values())
+               else "the sequence-symbolic version does not reproduce")
+        if why is None:
+            (src, codes, found, missing), fid, seq_symbolic = cand, cfid, True
+        else:
+            seqlen.mark(specs, None)
+            notes.append(f"the region's code keeps the recorded sequence length ({seq}): {why}")
+    else:
+        seqlen.mark(specs, None)
     path.write_text(src)
     explanation = []
     for s in ("a", "b"):
@@ -394,6 +492,10 @@ def _write(out: Path, ta: Trace, tb: Trace, target: Target, sides: dict[str, Sid
         "fidelity_errors": {s: fid[s]["error"] for s in ("a", "b") if not fid[s]["ok"]},
         "batch_symbolic": symbolic,
         "batch": sc.batch,
+        "seq_symbolic": seq_symbolic,
+        "seq": seq,
+        "token_rows": target.row_index,
+        "token_ties": getattr(sc, "ties", []),
         "warnings": target.warnings,
     }
     (out / "manifest.json").write_text(json.dumps(_finite(manifest), indent=2))

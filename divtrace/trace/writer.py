@@ -16,10 +16,10 @@ records.jsonl is cut back to its last whole flush, the shard being filled is rem
 from __future__ import annotations
 
 import ctypes
-import errno
 import hashlib
 import json
 import os
+import platform
 import re
 import struct
 import time
@@ -29,6 +29,7 @@ import torch
 
 from divtrace.errors import DivtraceError
 from divtrace.fingerprint import HASH_SCHEME, IMPLEMENTATION, dtype_name, fingerprint, flat_bytes
+from divtrace.oserrors import os_reason
 from divtrace.records import FORMAT_VERSION, TensorValue, json_safe, record_compact
 from divtrace.trace.files import (CHECKSUMS, META, RECORDS, SHARD_GLOB, SHARD_PATTERN, atomic_write_bytes,
                                   compact_encoder, fsync_dir, readable_json, temp_beside)
@@ -191,28 +192,132 @@ def _record_line(rec, values: list[TensorValue]) -> str:
         return _ENCODE(json_safe(d))
 
 
-def prepare_trace_dir(path: Path, overwrite: bool) -> None:
-    """Create `path`, refusing to mix with an existing trace or with unrelated files."""
-    if path.exists() and not path.is_dir():
-        raise DivtraceError(f"{path}: exists and is not a directory")
+LOCK = ".divtrace-lock"  # {"pid", "host"} of the process recording into the directory; removed at close
+
+
+def _pid_alive(pid: int) -> bool:
     try:
-        if path.is_dir():
-            entries = list(path.iterdir())
-            if (path / META).exists():
-                if not overwrite:
-                    raise DivtraceError(f"{path}: already holds a trace (pass overwrite=True / --overwrite to "
-                                        "replace it)")
-                for p in entries:
-                    if p.name in (META, RECORDS, CHECKSUMS) or p.match(SHARD_GLOB) or p.name.endswith(".tmp"):
-                        p.unlink()
-            elif entries:
-                raise DivtraceError(f"{path}: directory is not empty and holds no trace; choose a new directory")
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    except (OSError, OverflowError, ValueError):
+        return False
+    return True
+
+
+def _lock_owner(lock: Path) -> dict | None:
+    """The lock's {"pid", "host"} when a live process holds it, None when it is stale (its process is gone, or
+    the file is unreadable: a recorder killed between creating and filling it)."""
+    try:
+        owner = json.loads(lock.read_text())
+        pid = int(owner["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if owner.get("host") not in (None, platform.node()):
+        return owner  # another machine's process (a shared file system): cannot tell, so it holds
+    return owner if pid != os.getpid() and _pid_alive(pid) else None
+
+
+def _busy_error(path: Path, lock: Path, owner: dict) -> DivtraceError:
+    host = f" on {owner['host']}" if owner.get("host") not in (None, platform.node()) else ""
+    return DivtraceError(f"{path}: is being recorded by process {owner['pid']}{host} (lock {lock}); wait for it to "
+                         "finish or record into another --out (if that process is gone, remove the lock file)")
+
+
+def check_not_busy(path: Path) -> None:
+    """DivtraceError at once when a live process is recording into `path` (before a model is built for nothing);
+    `take_lock` settles it for good."""
+    owner = _lock_owner(Path(path) / LOCK) if (Path(path) / LOCK).exists() else None
+    if owner is not None:
+        raise _busy_error(Path(path), Path(path) / LOCK, owner)
+
+
+def take_lock(path: Path) -> Path:
+    """Create `path`/LOCK naming this process; a lock whose process is dead is replaced. DivtraceError when a
+    live process holds it (two recordings into one directory would interleave their files)."""
+    lock = path / LOCK
+    body = json.dumps({"pid": os.getpid(), "host": platform.node()}).encode()
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            owner = _lock_owner(lock)
+            if owner is not None:
+                raise _busy_error(path, lock, owner) from None
+            try:
+                lock.unlink()  # stale: left by a killed recording
+            except FileNotFoundError:
+                pass
+            continue
+        try:
+            os.write(fd, body)
+        finally:
+            os.close(fd)
+        return lock
+    raise DivtraceError(f"{path}: another process keeps taking the lock {lock}; record into another --out")
+
+
+def release_lock(lock: Path | None) -> None:
+    if lock is None:
+        return
+    try:
+        owner = json.loads(lock.read_text())
+        if int(owner.get("pid", -1)) == os.getpid():
+            lock.unlink()
+    except (OSError, ValueError, TypeError):
+        pass
+
+
+def prepare_trace_dir(path: Path, overwrite: bool) -> tuple[Path, bool]:
+    """Create `path` and lock it for this process, refusing to mix with an existing trace, with unrelated files
+    or with a recording still running into it. Returns (the lock, whether the directory was created here)."""
+    try:
+        if path.exists() and not path.is_dir():
+            raise DivtraceError(f"{path}: exists and is not a directory")
+        created = not path.exists()
         path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DivtraceError(f"{path}: cannot write trace directory: {os_reason(e)}") from None
+    lock = None
+    try:
+        lock = take_lock(path)
+        entries = [p for p in path.iterdir() if p.name != LOCK]
+        if (path / META).exists():
+            if not overwrite:
+                raise DivtraceError(f"{path}: already holds a trace (pass overwrite=True / --overwrite to "
+                                    "replace it)")
+            for p in entries:
+                if p.name in (META, RECORDS, CHECKSUMS) or p.match(SHARD_GLOB) or p.name.endswith(".tmp"):
+                    p.unlink()
+        elif entries:
+            raise DivtraceError(f"{path}: directory is not empty and holds no trace; choose a new directory")
         probe = path / ".divtrace-write-probe"
         probe.write_bytes(b"")
         probe.unlink()
-    except OSError as e:
-        raise DivtraceError(f"{path}: cannot write trace directory: {e.strerror or e}") from None
+    except BaseException as e:
+        release_lock(lock)
+        removed = _remove_if_created(path, created)
+        if isinstance(e, OSError):
+            raise DivtraceError(f"{path}: cannot write trace directory: {os_reason(e)}"
+                                + ("; the directory was removed" if removed else "")) from None
+        raise
+    return lock, created
+
+
+def _remove_if_created(path: Path, created: bool) -> bool:
+    """Remove `path` when this run created it and it holds nothing (or only what this run wrote); whether it did."""
+    if not created:
+        return False
+    try:
+        for p in path.iterdir():
+            if p.name in (META, RECORDS, CHECKSUMS, LOCK, ".divtrace-write-probe") or p.name.endswith(".tmp"):
+                p.unlink()
+        path.rmdir()
+        return True
+    except OSError:
+        return False
 
 
 class TraceWriter:
@@ -222,7 +327,7 @@ class TraceWriter:
             raise DivtraceError(f"mode must be 'full' or 'hash', got {mode!r}")
         self.path = Path(path)
         self.mode = mode
-        prepare_trace_dir(self.path, overwrite)
+        self._lock, created = prepare_trace_dir(self.path, overwrite)
         # The oldest version that holds what this mode writes, so older readers keep reading what they can:
         # hash mode's only addition in version 2 (the "r" mark) is an optional key they ignore.
         self.meta = dict(meta, format_version=FORMAT_VERSION if mode == "full" else 1, mode=mode, status="running",
@@ -247,13 +352,25 @@ class TraceWriter:
         self.store_seconds = 0.0  # full mode: time spent writing values' bytes and finishing shards (the write path)
         self.failed: str | None = None  # set when a write failed; nothing more is written after that
         self._closed = False
+        fds = []
         try:
             # status "running": an OS crash loses the run anyway, so no fsync (close() fsyncs when durable)
             self._write_meta(durable=False)
             self._records_fd = os.open(self.path / RECORDS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fds.append(self._records_fd)
             self._sums_fd = os.open(self.path / CHECKSUMS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as e:
-            raise DivtraceError(f"{self.path}: cannot start the trace: {e.strerror or e}") from None
+            # Nothing was recorded: leave no directory that looks like a trace (remove what was made here).
+            for fd in fds:
+                os.close(fd)
+            try:
+                (self.path / META).unlink()
+            except OSError:
+                pass
+            release_lock(self._lock)
+            removed = _remove_if_created(self.path, created)
+            raise DivtraceError(f"{self.path}: cannot start the trace: {os_reason(e)}; "
+                                + ("the directory was removed" if removed else "nothing was recorded")) from None
 
     def _sync_data(self) -> None:
         """fsync records.jsonl and every finished shard (best effort: a file system without fsync still closes)."""
@@ -380,9 +497,7 @@ class TraceWriter:
             raise exc
 
     def _fail(self, e: OSError) -> None:
-        what = e.strerror or str(e)
-        if e.errno == errno.ENOSPC:
-            what = "no space left on device"
+        what = os_reason(e)
         self.failed = f"write failed: {what}"
         self._pending_records = []
         if self._open is not None:
@@ -469,8 +584,10 @@ class TraceWriter:
         except OSError as e:
             # meta.json keeps status "running": still read as incomplete, and the records stay verifiable
             # from checksums.jsonl.
+            release_lock(self._lock)
             if flush_error is None or not isinstance(flush_error, DivtraceError):
                 raise DivtraceError(f"{self.path / META}: cannot write the final metadata: {e.strerror or e}; "
                                     "the trace is left marked incomplete") from None
+        release_lock(self._lock)
         if flush_error is not None:
             raise flush_error

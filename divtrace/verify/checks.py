@@ -172,7 +172,18 @@ def sweep_plan(manifest: dict) -> tuple[list[tuple[str, dict]], str | None]:
     for n in dict.fromkeys((1, big, 2 * big + 1)):
         tag = " (recorded)" if n == big else ("" if n == 1 else " (larger)")
         plan.append((f"{ref['name']} dim {bd} = {n}{tag}", with_batch(n)))
-    if len(ref["shape"]) > bd + 1:
+    seq_specs = [s for s in specs if s.get("seq_dims")]
+    if seq_specs:  # the repro marked where the sequence length is (its code reads it from the inputs)
+        first = seq_specs[0]
+        d0 = int(first["seq_dims"][0])
+        seq = int(manifest.get("seq") or first["shape"][d0])
+        new = 2 * seq - 1 if seq > 1 else 2
+        shapes = with_batch(big)
+        for s in seq_specs:
+            for d in s["seq_dims"]:
+                shapes[s["name"]][int(d)] = new
+        plan.append((f"{first['name']} dim {d0} = {new} (another sequence length, was {seq})", shapes))
+    elif len(ref["shape"]) > bd + 1:
         seq = int(ref["shape"][bd + 1])
         new = 2 * seq - 1 if seq > 1 else 2
         shapes = with_batch(big)

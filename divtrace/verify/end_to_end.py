@@ -115,11 +115,14 @@ def verify_runs(entry_a: str, entry_b: str, *, args_a: dict | None = None, args_
         checks = []
         unpaired = sum(r.unmatched.values())
         d = r.to_dict()
-        m = {"compared": r.compared, "unmatched_calls": r.unmatched, "first": d["first"]}
+        m = {"compared": r.compared, "unmatched_calls": r.unmatched, "first": d["first"], "verdict": r.verdict,
+             "reason": r.reason, "coverage": d["coverage"]}
         if r.verdict == "identical" and not unpaired:
             checks.append(Check("traces", "end_to_end", PASSED,
                                 f"every one of {r.compared} compared tensors bitwise equal, every module call "
                                 "paired", m))
+        elif r.verdict == "inconclusive":  # never a pass: what ran was not all seen, or a run stopped early
+            checks.append(Check("traces", "end_to_end", FAILED, f"INCONCLUSIVE: {r.reason}", m))
         elif r.verdict == "identical":
             checks.append(Check("traces", "end_to_end", FAILED, f"compared records agree but {r.unmatched['a']} calls "
                                 f"are only in a and {r.unmatched['b']} only in b", m))

@@ -1,0 +1,173 @@
+"""The verdict rule, in one place: what a comparison may claim from what it saw.
+
+Every command that compares two traces (`bisect` by calls or by tokens, `repro`, `verify --runs`) asks `decide`
+for its verdict, so "identical" means the same thing everywhere:
+
+- **identical** (exit 0): both traces are complete, divtrace saw everything that ran in both (no `unseen`
+  entry in either meta.json), and the final outputs of both sides were compared and are bitwise equal.
+- **within_tolerance** (exit 0): as identical, but some compared tensors differ bitwise, each within the
+  tolerance the user gave.
+- **diverged** (exit 1): an origin was found. The divergence is real even when a trace stopped early (what
+  was recorded ran); the reason then says which trace is incomplete.
+- **inconclusive** (exit 3): anything else. The reason names the trace, its status, how far it got, and what
+  to do next.
+
+The function is pure (no torch, no trace reading): callers say what they saw. `progress` turns a trace that
+stopped early into words, from duck-typed traces (`.calls` of `ModuleCall`s, `.path`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from divtrace.errors import DivtraceError
+
+IDENTICAL, WITHIN_TOLERANCE, DIVERGED, INCONCLUSIVE = "identical", "within_tolerance", "diverged", "inconclusive"
+EXIT_CODES = {IDENTICAL: 0, WITHIN_TOLERANCE: 0, DIVERGED: 1, INCONCLUSIVE: 3}
+
+
+class Inconclusive(DivtraceError):
+    """A command that needs an origin or an identical pair got neither: the one-line reason, exit 3."""
+
+    exit_code = 3
+
+
+@dataclass
+class TraceSeen:
+    """What a comparison knows about one of its traces."""
+
+    side: str  # "a" | "b"
+    path: str
+    complete: bool  # closed with status "complete" (a `running` trace, SIGKILLed or still recording, is not)
+    status: str  # meta.json's status, spelled out ("terminated", "running (never closed: ...)")
+    error: str | None = None  # meta.json's error, when the recording stopped on one
+    progress: str | None = None  # how far an incomplete trace got, in words (`progress()`)
+    unseen: list[str] = field(default_factory=list)  # meta.json "unseen": what ran without divtrace seeing it
+
+
+@dataclass
+class Coverage:
+    """How much of the two runs the comparison covered (`bisect --json`'s `coverage`)."""
+
+    calls_compared: int  # aligned call pairs (or token rows, for a token-aligned comparison)
+    only_a: int  # calls (or tokens) of a with no counterpart in b: not compared
+    only_b: int
+    final_compared: bool  # the final outputs of both sides were compared
+    final_equal: bool | None  # their comparison (bitwise, or within the tolerance given); None when not compared
+    final_note: str | None = None  # why the final outputs were not compared
+    complete: dict = field(default_factory=dict)  # {"a": bool, "b": bool}
+    unseen: dict = field(default_factory=dict)  # {"a": [...], "b": [...]}
+    unit: str = "calls"  # what calls_compared / only_a / only_b count: "calls" or "tokens"
+
+    def to_dict(self) -> dict:
+        return {"calls_compared": self.calls_compared, "only_a": self.only_a, "only_b": self.only_b,
+                "final_compared": self.final_compared, "final_equal": self.final_equal,
+                "final_note": self.final_note, "complete": dict(self.complete), "unseen": dict(self.unseen),
+                "unit": self.unit}
+
+
+@dataclass
+class Verdict:
+    verdict: str  # identical | within_tolerance | diverged | inconclusive
+    reason: str  # one sentence or a few, "; "-joined: why this verdict, and what to do next where it is not final
+    coverage: Coverage
+    exit_code: int
+
+
+def unseen_of(meta: dict) -> list[str]:
+    """meta.json's "unseen" as a list of strings (absent or empty: nothing unseen)."""
+    u = meta.get("unseen")
+    if not u:
+        return []
+    if isinstance(u, (list, tuple)):
+        return [str(x) for x in u if x not in (None, "")]
+    return [str(u)]
+
+
+def progress(t, ref) -> str:
+    """How far incomplete trace `t` got, measured against `ref` (the other trace): "stopped in root call 1 of 1
+    after 47 of the reference's 91 module calls; last module model.layers.5". Duck-typed: `.calls` maps ids to
+    ModuleCall-like objects (module, parent, enter_index, exit_index)."""
+    calls = sorted(t.calls.values(), key=lambda c: c.enter_index)
+    top = [c for c in calls if c.parent is None]
+    ref_top = sum(1 for c in ref.calls.values() if c.parent is None)
+    whose = "the reference's" if getattr(ref, "complete", True) else "the other trace's (itself incomplete)"
+    if not calls:
+        return f"stopped before its first module call was written ({whose} {len(ref.calls)} module calls)"
+    open_top = next((i for i, c in enumerate(top) if c.exit_index is None), None)
+    if open_top is None:
+        # Every root call has its exit (an exception closes the calls it passes through): the stop came inside the
+        # last one when it holds fewer calls than the reference's call of the same number, else after it.
+        k = len(top) - 1
+        ref_calls = sorted(ref.calls.values(), key=lambda c: c.enter_index)
+        inside = k < len(_root_spans(ref_calls)) and _root_spans(calls)[k] < _root_spans(ref_calls)[k]
+        open_top = k if inside else None
+    where = (f"stopped in root call {open_top + 1} of {ref_top}" if open_top is not None
+             else f"stopped after root call {len(top)} of {ref_top}")
+    unfinished = [c for c in calls if c.exit_index is None]
+    last = unfinished[-1] if unfinished else calls[-1]
+    return (f"{where} after {len(calls)} of {whose} {len(ref.calls)} module calls; last module "
+            f"{last.module or '<root>'}")
+
+
+def _root_spans(calls: list) -> list[int]:
+    """Per top-level call (in order), how many calls it spans, itself included (`calls` sorted by enter)."""
+    spans = []
+    for c in calls:
+        if c.parent is None:
+            spans.append(0)
+        if spans:
+            spans[-1] += 1
+    return spans
+
+
+def _incomplete(t: TraceSeen) -> str:
+    status = t.status + (f", {t.error}" if t.error else "")
+    return f"trace {t.path} is incomplete (status: {status})" + (f": {t.progress}" if t.progress else "")
+
+
+def decide(*, origin_found: bool, within_tolerance: bool, final_compared: bool, final_equal: bool | None,
+           a: TraceSeen, b: TraceSeen, calls_compared: int, only_a: int = 0, only_b: int = 0,
+           final_note: str | None = None, unit: str = "calls") -> Verdict:
+    """The verdict of a comparison, from what it saw.
+
+    origin_found: a divergence was localized (an origin, or the earliest differing call). Diverged, whatever
+        else holds.
+    within_tolerance: no origin beyond the tolerance, but some compared tensors differ bitwise (each within
+        it). Exit 0 only under the conditions of identical.
+    final_compared / final_equal: the final outputs of both sides (the last root call's output; each token's
+        logits under token alignment) were compared, and whether they are equal (bitwise, or within the
+        tolerance given). final_note says why they were not compared, in words.
+    a, b: each trace's path, completeness, status, progress and `unseen` list.
+    calls_compared, only_a, only_b: the coverage counts (of `unit`: "calls" or "tokens").
+    """
+    cov = Coverage(calls_compared, only_a, only_b, final_compared, final_equal if final_compared else None,
+                   None if final_compared else final_note, {"a": a.complete, "b": b.complete},
+                   {"a": list(a.unseen), "b": list(b.unseen)}, unit)
+    incomplete = [t for t in (a, b) if not t.complete]
+    if origin_found:
+        reason = "the runs diverge (`first` says where, and whether its inputs were still equal)"
+        if incomplete:
+            reason += ("; the divergence is real, but " + "; ".join(map(_incomplete, incomplete))
+                       + ", so later divergences may be missing")
+        return Verdict(DIVERGED, reason, cov, EXIT_CODES[DIVERGED])
+    why = []
+    for t in incomplete:
+        why.append(f"{_incomplete(t)}, and no divergence was found before it stopped; re-record it to its end (a "
+                   "run that finishes closes its trace as complete) and compare again")
+    for t in (a, b):
+        if t.unseen:
+            why.append(f"trace {t.path} ran computation divtrace did not see ({'; '.join(t.unseen)}): what was "
+                       "compared may not be what ran; record it eagerly (no torch.compile regions without taps, no "
+                       "CUDA-graph replays) to compare every step")
+    if not incomplete and not final_compared:
+        why.append(f"the final outputs were not compared ({final_note or 'no final output pair'}); make both runs "
+                   "make the same calls (or pass --map FILE where the stacks name modules differently)")
+    elif not incomplete and final_equal is False:
+        why.append("the final outputs differ but no divergence was localized (please report this)")
+    if why:
+        return Verdict(INCONCLUSIVE, "; ".join(why), cov, EXIT_CODES[INCONCLUSIVE])
+    if within_tolerance:
+        return Verdict(WITHIN_TOLERANCE, "both traces complete; every difference passes the tolerance, the final "
+                       "outputs included", cov, EXIT_CODES[WITHIN_TOLERANCE])
+    return Verdict(IDENTICAL, "both traces complete and fully seen; the final outputs were compared and are bitwise "
+                   "equal, as is every compared tensor", cov, EXIT_CODES[IDENTICAL])

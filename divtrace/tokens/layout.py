@@ -1,0 +1,165 @@
+"""Which dims of a tensor are token rows, inferred from its shape and the root call's token grid.
+
+Layouts (codes stored in rows.jsonl):
+- "bt":  [B, T, ...]      row (b, t) is x[b, t]            (hidden states, logits, input ids)
+- "bht": [B, H, T, ...]   row (b, t) is x[b, :, t]         (heads-first attention tensors)
+- "n":   [B*T, ...]       row i is x[i], cells row-major    (flattened tokens: engines, a linear's 2-D input)
+- "lastK": [B, K, ...] with K < T, root outputs only: the last K cells of each row (HF's `logits_to_keep`)
+
+A shape that fits two layouts with different rows (B, H, T with H == T) is ambiguous and gets no rows: it is
+compared whole. A heads-first tensor whose last dim is the call's key/value length (attention scores, a 4-D mask)
+holds one token's view of the others, not its own data: it gets no rows either (`cross`), since a decode step and a
+full-sequence forward lay those columns out differently by design.
+"""
+from __future__ import annotations
+
+AMBIGUOUS = "?"
+CROSS = "x"
+
+
+def infer(shape, grid_shape: list[int], kv_len: int, root_output: bool = False) -> str | None:
+    """The layout code of a tensor of `shape` in a call with token grid `grid_shape`; None when it holds no token
+    rows, AMBIGUOUS or CROSS when it has some but they cannot be compared row by row."""
+    nd = len(shape)
+    if nd == 0:
+        return None
+    if len(grid_shape) == 1:
+        return "n" if shape[0] == grid_shape[0] else None
+    b, t = grid_shape
+    bt = nd >= 2 and shape[0] == b and shape[1] == t
+    bht = nd >= 3 and shape[0] == b and shape[2] == t and shape[1] != t
+    n = shape[0] == b * t and not (nd >= 2 and shape[0] == b and shape[1] == t)
+    if bt and nd >= 3 and shape[2] == t and t > 1:
+        return AMBIGUOUS  # [B, T, T, ...] or [B, H, T, ...] with H == T
+    if (bt or bht) and nd >= 4 and kv_len > 1 and shape[-1] == kv_len:
+        return CROSS  # [B, H, T, kv] scores, [B, 1, T, kv] masks (in a decode step [B, 1, 1, kv] fits "bt" too)
+    found = [c for c, ok in (("bt", bt), ("bht", bht), ("n", n)) if ok]
+    if len(found) > 1 and t == 1 and found[-1] == "n":
+        found.pop()  # with T == 1, x[b] holds the same bytes as x[b, 0] or x[b, :, 0]: the T dim decides
+    if len(found) > 1:
+        return AMBIGUOUS
+    if found:
+        return found[0]
+    if root_output and nd >= 2 and shape[0] == b and 0 < shape[1] < t:
+        return f"last{shape[1]}"
+    return None
+
+
+def row_count(code: str, grid_shape: list[int]) -> int:
+    """How many rows a value of this layout stores."""
+    if code.startswith("last"):
+        return grid_shape[0] * int(code[4:])
+    n = 1
+    for s in grid_shape:
+        n *= s
+    return n
+
+
+def cell_row(code: str, grid_shape: list[int], cell: int) -> int | None:
+    """The stored row holding grid cell `cell` (row-major), or None where the layout does not hold it."""
+    if code.startswith("last"):
+        k = int(code[4:])
+        t = grid_shape[1]
+        b, c = divmod(cell, t)
+        return b * k + (c - (t - k)) if c >= t - k else None
+    return cell
+
+
+def rows_2d(x, code: str):
+    """The token rows of `x` as a 2-D tensor [rows, elements], in stored order (a copy only for "bht")."""
+    if code == "bht":
+        x = x.transpose(1, 2)
+        return x.reshape(x.shape[0] * x.shape[1], -1)
+    if code == "bt" or code.startswith("last"):
+        return x.reshape(x.shape[0] * x.shape[1], -1)
+    return x.reshape(x.shape[0], -1)
+
+
+def row_of(x, code: str, grid_shape: list[int], cell: int):
+    """The sub-tensor of `x` that is grid cell `cell`'s row (for value metrics), or None."""
+    r = cell_row(code, grid_shape, cell)
+    if r is None:
+        return None
+    if code == "n":
+        return x[r]
+    if code.startswith("last"):
+        k = int(code[4:])
+        return x[r // k, r % k]
+    t = grid_shape[1]
+    b, c = divmod(r, t)
+    return x[b, c] if code == "bt" else x[b, :, c]
+
+
+def row_index(code: str, grid_shape: list[int], cell: int) -> list | None:
+    """The index of grid cell `cell`'s row in a tensor of this layout, as a list (":" for a whole dim): what
+    `row_of` selects, written so a generated repro can select it too."""
+    r = cell_row(code, grid_shape, cell)
+    if r is None:
+        return None
+    if code == "n":
+        return [r]
+    if code.startswith("last"):
+        k = int(code[4:])
+        return [r // k, r % k]
+    b, c = divmod(r, grid_shape[1])
+    return [b, c] if code == "bt" else [b, ":", c]
+
+
+def row_shape(shape, code: str) -> tuple:
+    """The shape of one row of a tensor of `shape` laid out as `code`."""
+    if code == "n":
+        return tuple(shape[1:])
+    if code == "bht":
+        return (shape[1],) + tuple(shape[3:])
+    return tuple(shape[2:])
+
+
+OVERRIDE_CODES = ("bt", "bht", "n", "none")
+
+
+def compile_overrides(spec) -> list:
+    """`token_layouts={regex: code}` of `divtrace.record` as [(compiled regex, code)]; a one-line error otherwise."""
+    import re
+
+    from divtrace.errors import DivtraceError
+
+    if not spec:
+        return []
+    if not isinstance(spec, dict):
+        raise DivtraceError(f"token_layouts must map module path regexes to one of {OVERRIDE_CODES}, got "
+                            f"{type(spec).__name__}")
+    out = []
+    for pat, code in spec.items():
+        if code not in OVERRIDE_CODES:
+            raise DivtraceError(f"token_layouts[{pat!r}]: {code!r} is not a layout; use one of {OVERRIDE_CODES}")
+        try:
+            out.append((re.compile(pat), code))
+        except re.error as e:
+            raise DivtraceError(f"token_layouts: bad regex {pat!r}: {e}") from None
+    return out
+
+
+def override(rules: list, path: str, shape, grid_shape: list[int], inferred: str | None) -> str | None:
+    """The layout a `token_layouts` rule gives a value of module `path`: the rule's where the shape fits it; none
+    where neither the rule nor the inference finds token rows; an error where the inference finds token rows the
+    rule cannot describe (the override does not fit the call)."""
+    for pat, code in rules:
+        if pat.search(path):
+            if code == "none":
+                return None
+            fits = {"bt": len(grid_shape) == 2 and len(shape) >= 2 and list(shape[:2]) == list(grid_shape),
+                    "bht": len(grid_shape) == 2 and len(shape) >= 3 and shape[0] == grid_shape[0]
+                    and shape[2] == grid_shape[1],
+                    "n": len(shape) >= 1 and shape[0] == row_count("n", grid_shape)}[code]
+            if fits:
+                return code
+            if inferred is None:
+                return None  # no token rows at all (a weight's view made inside the module): nothing to override
+            if not fits:
+                from divtrace.errors import DivtraceError
+
+                raise DivtraceError(f"token_layouts[{pat.pattern!r}] = {code!r} does not fit a tensor of shape "
+                                    f"{list(shape)} in module {path or '<root>'!r}: the call's token grid is "
+                                    f"{list(grid_shape)}")
+            return code
+    return inferred
