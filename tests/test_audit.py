@@ -353,3 +353,21 @@ def test_rows_cut_from_the_middle_dim_are_packed(tmp_path):
     gelu = [o for o in audit(tmp_path / "t").ops if o.op == "aten.gelu.default"]
     assert len(gelu) == 1 and gelu[0].n_rows == 16  # T, not B
     assert gelu[0].batch_invariant is True, gelu[0].rows_differ_at
+
+
+def test_tokens_from_the_recorded_grid_padding_has_no_position(tmp_path):
+    """The per-token view reads the trace's token grid: with left padding, a padded slot is no token
+    (position None) and the first real token of the padded sequence is position 0."""
+    model, inputs = tiny_llama(torch.float32, seq=8)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    record_model(model, {"input_ids": ids, "attention_mask": mask, "use_cache": False}, tmp_path / "t", mode="full")
+    r = audit(tmp_path / "t")
+    mm = next(o for o in r.ops if o.op == "aten.mm.default" and o.module.endswith("q_proj"))
+    assert mm.batch_invariant is False and mm.n_rows == 16
+    by_row = {x["row"]: x for x in mm.tokens}
+    assert by_row[0]["position"] is None and by_row[0]["seq"] is None  # a padded slot
+    assert by_row[3]["position"] == 0 and by_row[3]["seq"] is not None
+    assert by_row[8]["position"] == 0 and by_row[15]["position"] == 7
+    assert by_row[3]["seq"] != by_row[8]["seq"]

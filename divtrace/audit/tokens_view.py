@@ -10,10 +10,19 @@ from __future__ import annotations
 
 
 class TokenViews:
-    """The TokenView of the root call each op ran in (a generate() loop has one root call per step)."""
+    """The TokenView of the root call each op ran in (a generate() loop has one root call per step): from the
+    token grids the trace recorded (divtrace.tokens: HF inputs or `rec.tokens(...)` declarations) where it has
+    them, else read off the root call's HF-style inputs."""
 
     def __init__(self, trace):
         self.trace, self._views, self._root = trace, {}, {}
+        self.grids = {}
+        try:
+            from divtrace.tokens.store import TokenIndex
+
+            self.grids = TokenIndex(trace.path).grids
+        except ImportError:  # a divtrace without token files
+            pass
 
     def tokens(self, call_id: int, n_rows: int, rows: list[int]) -> list[dict] | None:
         root = self._root.get(call_id)
@@ -24,8 +33,35 @@ class TokenViews:
             root = self._root[call_id] = c
         view = self._views.get(root)
         if view is None:
-            view = self._views[root] = TokenView(self.trace, self.trace.calls[root])
+            grid = self.grids.get(root)
+            view = self._views[root] = (GridView(grid) if grid is not None
+                                        else TokenView(self.trace, self.trace.calls[root]))
         return view.tokens(n_rows, rows)
+
+
+class GridView:
+    """The rows of a recorded token grid ([B, T] or [N] cells, row-major; position -1: no token)."""
+
+    def __init__(self, grid):
+        shape = list(grid.shape)
+        self.b, self.t = (1, shape[0]) if len(shape) == 1 else (shape[0], shape[1])
+        pos = [p if p >= 0 else None for p in grid.pos]
+        seq = [s if s >= 0 else None for s in grid.seq]
+        self.grid = [pos[i * self.t:(i + 1) * self.t] for i in range(self.b)]
+        self.seqs = [seq[i * self.t:(i + 1) * self.t] for i in range(self.b)]
+
+    def tokens(self, n_rows: int, rows: list[int]) -> list[dict] | None:
+        if not rows:
+            return None
+        b, t = self.b, self.t
+        if n_rows == b * t:
+            return [{"row": r, "seq": self.seqs[r // t][r % t], "slot": r % t, "position": self.grid[r // t][r % t]}
+                    for r in rows]
+        if n_rows == t:
+            same = all(g == self.grid[0] for g in self.grid)
+            return [{"row": r, "seq": self.seqs[0][r] if b == 1 else None, "slot": r,
+                     "position": self.grid[0][r] if same else None} for r in rows]
+        return None
 
 
 class TokenView:
