@@ -89,13 +89,16 @@ def record_trainer(model, out: Path, seqs: list[list[int]]) -> None:
 
 
 _BISECT = """
-import json, resource, sys, time
+import json, sys, time
 t0 = time.perf_counter()
 from divtrace.compare.bisect import bisect
 r = bisect(sys.argv[1], sys.argv[2])
 dt = time.perf_counter() - t0
 d = r.to_dict()
-print(json.dumps({"seconds": dt, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+# VmHWM, not ru_maxrss: after fork + exec, ru_maxrss still counts the parent's pages (the bench process holds a
+# model), while VmHWM belongs to this process's own memory map
+hwm = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM"))
+print(json.dumps({"seconds": dt, "peak_rss_mb": hwm / 1024,
                   "verdict": d["verdict"], "alignment": d["alignment"], "tokens": d.get("tokens"),
                   "first": d["first"] and {k: d["first"][k] for k in ("module", "op", "cause", "rows", "token")}}))
 """
@@ -108,12 +111,14 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--small", action="store_true")
     p.add_argument("--json", type=Path)
+    p.add_argument("--keep", type=Path, help="record the rollout and trainer traces here (kept) instead of a temp dir")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     model, cfg = build(a.small)
     out: dict = {"model": "small" if a.small else "HF Llama h512 L8 fp32", "threads": 1}
     with tempfile.TemporaryDirectory() as td:
-        tmp = Path(td)
+        tmp = Path(td) if a.keep is None else a.keep
+        tmp.mkdir(parents=True, exist_ok=True)
         out["recording"] = recording_cost(model, cfg, tmp, a.repeats, a.seq)
         r = out["recording"]
         print(f"recording 4x{a.seq} hash ops=True: tokens {r['tokens_over_hash']:.3f}x hash without tokens "

@@ -91,8 +91,9 @@ def run_model(model, inputs, grad_mode: str = "no_grad"):
         return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 
 
-def record_entry(entry: str, out, *, args: dict | None = None, mode: str = "full", ops: bool = True,
-                 include=None, exclude=None, label=None, overwrite=False, grad_mode="no_grad", durable=False):
+def record_entry(entry: str, out, *, args: dict | None = None, mode: str = "full", ops: bool | None = None,
+                 include=None, exclude=None, label=None, overwrite=False, grad_mode="no_grad", durable=False,
+                 compiled: bool | None = None):
     """Build the model from ENTRY and record one forward into `out`. Returns the forward's wall time (s)."""
     import time
 
@@ -102,7 +103,8 @@ def record_entry(entry: str, out, *, args: dict | None = None, mode: str = "full
         raise DivtraceError(f"--grad-mode must be one of {', '.join(GRAD_MODES)}, got {grad_mode!r}")
     model, inputs = build_from_entry(entry, args)
     rec = record(model, out, mode=mode, ops=ops, label=label, include=include, exclude=exclude, overwrite=overwrite,
-                 extra_meta={"entry": entry, "entry_args": args or {}, "grad_mode": grad_mode}, durable=durable)
+                 extra_meta={"entry": entry, "entry_args": args or {}, "grad_mode": grad_mode}, durable=durable,
+                 compiled=compiled)
     with rec:
         t0 = time.perf_counter()
         run_model(model, inputs, grad_mode)

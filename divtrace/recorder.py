@@ -218,13 +218,17 @@ class _Frame:
 class Recorder:
     """The context manager returned by `divtrace.record`."""
 
-    def __init__(self, model, path, *, mode="full", ops=True, label=None, include=None, exclude=None,
+    def __init__(self, model, path, *, mode="full", ops=None, label=None, include=None, exclude=None,
                  overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False,
-                 tokens=True, token_layouts=None):
+                 tokens=True, token_layouts=None, compiled=None):
         if not isinstance(model, torch.nn.Module):
             raise DivtraceError(f"record() needs a torch.nn.Module, got {type(model).__name__}")
         if mode not in ("full", "hash"):
             raise DivtraceError(f"mode must be 'full' or 'hash', got {mode!r}")
+        from divtrace.compiled.session import resolve  # torch.compile: divtrace/compiled, docs/compiled.md
+
+        self.compiled, ops, self._regions = resolve(model, compiled, ops)
+        self._session = None
         self.model, self.path, self.mode, self.ops, self.label = model, path, mode, ops, label
         try:
             self._include = re.compile(include) if include else None
@@ -268,23 +272,29 @@ class Recorder:
             raise DivtraceError("this model is already being recorded; nested record() on one model is not supported")
         first = next(self.model.parameters(), None)  # not list(): that walks every parameter of a big model
         device = str(first.device) if first is not None else "cpu"
-        modules = list(self.model.named_modules())
+        from divtrace.compiled.paths import recorded_modules
+        from divtrace.compiled.session import CompiledSession
+
+        modules = recorded_modules(self.model)  # torch.compile's `_orig_mod.` wrappers left out of the paths
+        self._root = modules[0][1]
+        self._session = CompiledSession(self, modules, self._regions, self.compiled)
         meta = {"label": self.label, "ops": self.ops, "include": self._include_src, "exclude": self._exclude_src,
                 "model_class": type(self.model).__name__, "settings": numerics_settings(), "view_key": VIEW_KEY,
                 "module_tree": [[name, type(m).__name__] for name, m in modules],
-                **run_environment(device), **self._extra_meta}
+                **run_environment(device), **self._session.start_meta(), **self._extra_meta}
+        meta["settings"].update(self._session.settings())
         self.writer = TraceWriter(self.path, mode=self.mode, meta=meta, overwrite=self._overwrite,
                                   shard_bytes=self._shard_bytes, flush_records=self._flush_records,
                                   durable=self._durable)
         self._token_store = TokenStoreWriter(self.writer.path)
         _ACTIVE_MODELS.add(id(self.model))
         _ACTIVE.append(self)
-        if any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-               for m in (self.model, *(m for _, m in modules))):
-            self.warnings.append("the model is torch.compile'd: module hooks and the dispatch mode make it run "
-                                 "eagerly while recorded, so this trace is of the eager computation, not of the "
-                                 "compiled kernels")
-        for name, m in modules:
+        if self._regions:
+            self.warnings.append("the model is torch.compile'd: " + (
+                "recorded at module boundaries inside the compiled code (compiled=True); aten ops inside it are not "
+                "visible" if self.compiled else "recorded with compiled=False, so torch.compile was set to "
+                "force_eager inside the block: this trace is of the eager computation, not of the compiled kernels"))
+        for name, m in ([] if self.compiled else modules):  # compiled: the session's taps instead
             # Pre hook first and post hook last: the call spans the module's own hooks, its inputs are what the
             # caller passed and its outputs what the caller receives.
             post = m.register_forward_hook(self._make_post(name), with_kwargs=True, always_call=True)
@@ -294,6 +304,7 @@ class Recorder:
         if self.ops:
             self._mode_obj = _OpMode(self)
             self._mode_obj.__enter__()
+        self._session.start()
         self._install_signals()
         return self
 
@@ -313,8 +324,10 @@ class Recorder:
         """
         self._token_tracker.declare(ids, positions, seqs)
 
-    def _token_rows(self, vid: int, t: torch.Tensor, root_output: bool = False) -> None:
-        """Fingerprint each token row of a value made in the current root call (see divtrace.tokens.layout)."""
+    def _token_rows(self, vid: int, t: torch.Tensor, root_output: bool = False, alias=None) -> None:
+        """Fingerprint each token row of a value made in the current root call (see divtrace.tokens.layout). A
+        view whose rows hold the same bytes as its source's rows (`alias`: a reshape of a row-major layout, or the
+        [B, T, H, d] <-> [B, H, T, d] transpose) points at the source's fingerprints instead of hashing again."""
         g = self._grid
         self._rowed.add(vid)
         code = token_layout.infer(t.shape, g.shape, g.kv_len, root_output)
@@ -328,6 +341,11 @@ class Recorder:
         if code in (token_layout.AMBIGUOUS, token_layout.CROSS):
             self._token_store.add_rows(vid, g.call_id, code, None)
             return
+        if alias is not None:
+            ref = self._token_store.current.get(alias[0])
+            if ref is not None and token_layout.same_rows(ref[0], code, alias[1], t, g.shape):
+                self._token_store.add_rows_ref(vid, g.call_id, code, ref[1])
+                return
         x = t.transpose(1, 2) if code == "bht" else t
         hashes = contiguous_row_hashes(x, token_layout.row_count(code, g.shape))
         if hashes is None:
@@ -392,6 +410,7 @@ class Recorder:
                 self._mode_obj.__exit__(None, None, None)
         finally:
             self._closing_warnings()
+            compiled_meta = self._session.stop() if self._session is not None else {}
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -421,7 +440,8 @@ class Recorder:
             extra = {"tokens": tokens} if tokens and tokens["grids"] else {}
             try:
                 self.writer.close(status, error, warnings=self.warnings,
-                                  unfinished_calls=sum(1 for f in self._stack if f.call_id is not None), **extra)
+                                  unfinished_calls=sum(1 for f in self._stack if f.call_id is not None), **extra,
+                                  **compiled_meta)
             finally:
                 for sig, mine in self._my_handlers.items():
                     mine.divtrace_active = False
@@ -433,6 +453,9 @@ class Recorder:
                 self._my_handlers.clear()
             if held is not None and exc_type is None:
                 raise held
+        why = self._session.compile_failure(exc) if self._session is not None and exc is not None else None
+        if why:
+            raise DivtraceError(why) from None  # (the trace is closed and marked as failed)
         return False
 
     # values -----------------------------------------------------------------------------------------------
@@ -483,6 +506,7 @@ class Recorder:
         # mode: here it still reads 0. What the view will read from then on is its base's version now.
         version = self._version(t)
         base = None
+        alias = None  # (vid, tensor) of an input `t` reads the same bytes of: its token rows may serve `t` too
         if is_view:
             base = self._alias_source(t, inputs)
             if base is not None:
@@ -502,15 +526,20 @@ class Recorder:
                 if e is not None and e[1] == self._version(src) and e[0] not in self._derived:
                     v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
                                    stride=list(t.stride()))
+                    alias = (e[0], src)
                 break
         if v is None and op in DERIVABLE_VIEWS and not t.is_contiguous():
             v = self._derived_view(t, producer, inputs, op, enc_args, enc_kwargs or {})
+            if v is not None and self._grid is not None:
+                src = self._alias_source(t, inputs)
+                e = self._tensors.get(src) if src is not None else None
+                alias = (e[0], src) if e is not None else None
         if v is None:
             v = self.writer.new_value(t, producer=producer)
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
         if self._grid is not None:
-            self._token_rows(v.vid, t)
+            self._token_rows(v.vid, t, alias=alias)
         if op in _FRESH_BUFFERS:
             self._unsettled.add(v.vid)
         elif self._unsettled and base is not None:  # a view of such a buffer sees what is written into it
@@ -649,11 +678,22 @@ class Recorder:
         _owners().append(token)
         self._stack.append(_Frame(call_id, module, excluded, sys.exc_info()[1], token))
 
-    def _enter(self, path, module, args, kwargs):
-        if module is self.model:
+    def _tap_enter(self, path, module, flat) -> None:
+        """A module call seen by a compiled-code tap (divtrace.compiled): `flat` is its inputs' (key, tensor)."""
+        if not _busy() and not self.writer.failed:
+            with _BUSY:
+                self._enter(path, module, None, None, flat)
+
+    def _tap_exit(self, module, flat) -> None:
+        if not _busy() and not self.writer.failed:
+            with _BUSY:
+                self._exit(module, None, flat)
+
+    def _enter(self, path, module, args, kwargs, flat=None):
+        if module is self._root:
             note_grad_mode(self.writer.meta.setdefault("settings", {}), first=not self._root_calls)
             self._root_calls += 1
-        if module is self.model and self._stack:
+        if module is self._root and self._stack:
             # A new call of the root while calls are open: they were left by an interrupt the caller caught.
             while self._stack:
                 self._pop()
@@ -667,7 +707,7 @@ class Recorder:
             self._push(None, module, False)
             return
         call = self._calls.get(path, 0)
-        if module is self.model and self._tokens_on:
+        if module is self._root and self._tokens_on and args is not None:  # (compiled taps: no token rows)
             # (before the call is counted: a declaration that does not fit the call is the caller's error)
             self._grid = self._token_tracker.on_root_call(self._next_call_id, call, args, kwargs,
                                                           f"root call {call} of {type(module).__name__}")
@@ -681,7 +721,9 @@ class Recorder:
         if self._token_layouts:
             self._call_paths[call_id] = self._boundary_path = path
         try:
-            for key, t in flatten_tensors(args, "args", []) + flatten_tensors(kwargs, "kwargs", []):
+            if flat is None:
+                flat = flatten_tensors(args, "args", []) + flatten_tensors(kwargs, "kwargs", [])
+            for key, t in flat:
                 t = self._plain(t, path or "<root>")
                 if t is not None:
                     pairs.append((key, self._vid_of(t, values, boundary=True)))
@@ -691,7 +733,7 @@ class Recorder:
         self._push(call_id, module, False)
         self.writer.append(rec, values)
 
-    def _exit(self, module, output):
+    def _exit(self, module, output, flat=None):
         depth = next((i for i in range(len(self._stack) - 1, -1, -1) if self._stack[i].module is module), None)
         if depth is None:
             return  # its pre hook did not run (the call began before recording, or while busy)
@@ -701,16 +743,21 @@ class Recorder:
         frame = self._pop()
         if frame.call_id is None:
             return
-        root = module is self.model and self._grid is not None
+        root = module is self._root and self._grid is not None
         try:
-            self._exit_call(frame, output, root)
+            self._exit_call(frame, output, root, flat)
         finally:
             if root:
                 self._grid = None
                 self._rowed.clear()
-                self._token_store.flush()
+                try:
+                    self._token_store.end_call()
+                except OSError as e:  # the trace's own write path reports the disk; tokens stop here, said once
+                    self._tokens_on = False
+                    self.warnings.append(f"token files could not be written ({e.strerror or e}): token identity "
+                                         "stops at this root call, and bisect cannot align the rest by tokens")
 
-    def _exit_call(self, frame, output, root: bool) -> None:
+    def _exit_call(self, frame, output, root: bool, flat=None) -> None:
         current = sys.exc_info()[1]
         if current is not None and current is not frame.exc:
             # torch runs always_call hooks from its `except Exception:`: the forward raised.
@@ -722,7 +769,7 @@ class Recorder:
         if self._token_layouts:
             self._boundary_path = self._call_paths.get(frame.call_id, "")
         try:
-            for key, t in flatten_tensors(output, "out", []):
+            for key, t in (flatten_tensors(output, "out", []) if flat is None else flat):
                 t = self._plain(t, "output")
                 if t is not None:
                     vid = self._vid_of(t, values, boundary=True, root_output=root)
@@ -876,9 +923,9 @@ class _OpMode(TorchDispatchMode):
         return self.recorder.on_op(func, args, kwargs or {})
 
 
-def record(model, path, *, mode="full", ops=True, label=None, include=None, exclude=None, overwrite=False,
+def record(model, path, *, mode="full", ops=None, label=None, include=None, exclude=None, overwrite=False,
            shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False, tokens=True,
-           token_layouts=None) -> Recorder:
+           token_layouts=None, compiled=None) -> Recorder:
     """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
 
     `flush_records` bounds how many records may be lost if the process is killed (they are written in
@@ -905,4 +952,5 @@ def record(model, path, *, mode="full", ops=True, label=None, include=None, excl
     """
     return Recorder(model, path, mode=mode, ops=ops, label=label, include=include, exclude=exclude,
                     overwrite=overwrite, shard_bytes=shard_bytes, extra_meta=extra_meta,
-                    flush_records=flush_records, durable=durable, tokens=tokens, token_layouts=token_layouts)
+                    flush_records=flush_records, durable=durable, tokens=tokens, token_layouts=token_layouts,
+                    compiled=compiled)

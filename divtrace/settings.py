@@ -1,7 +1,9 @@
 """The numerics-relevant global settings of a run, so bisect can say which ones differ."""
 from __future__ import annotations
 
+import os
 import platform
+import sys
 
 import torch
 
@@ -34,8 +36,43 @@ def numerics_settings() -> dict:
         "sdp_cudnn": _safe(cuda.cudnn_sdp_enabled),
         "mkldnn_enabled": _safe(lambda: torch.backends.mkldnn.enabled),
         "default_dtype": str(torch.get_default_dtype()),
+        **inductor_settings(),
         **grad_mode(),
     }
+
+
+# torch.compile (Inductor) configs that change the bits compiled code produces: trace key -> (config attribute,
+# its default as torch/_inductor/config.py computes it). Importing that config costs seconds, so where nothing
+# imported it yet (nothing was compiled) the defaults are read the way it would read them.
+INDUCTOR_KEYS = {
+    "inductor_emulate_precision_casts": ("emulate_precision_casts",
+                                         lambda: os.environ.get("TORCHINDUCTOR_EMULATE_PRECISION_CASTS", "0") == "1"),
+    "inductor_fallback_random": ("fallback_random", lambda: False),
+    "inductor_max_autotune": ("max_autotune", lambda: os.environ.get("TORCHINDUCTOR_MAX_AUTOTUNE") == "1"),
+    "inductor_coordinate_descent_tuning": ("coordinate_descent_tuning",
+                                           lambda: os.environ.get("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING") == "1"),
+    "inductor_cpp_simdlen": ("cpp.simdlen", lambda: None),
+    "inductor_triton_cudagraphs": ("triton.cudagraphs", lambda: os.environ.get("TORCHINDUCTOR_CUDAGRAPHS") == "1"),
+}
+
+
+def inductor_settings(options: dict | None = None) -> dict:
+    """The INDUCTOR_KEYS values in effect: Inductor's global config, overridden by `options` (what
+    torch.compile(..., mode=, options=) gave one compiled model, keyed like Inductor's config: "cpp.simdlen")."""
+    cfg = sys.modules.get("torch._inductor.config")
+    out = {}
+    for key, (attr, default) in INDUCTOR_KEYS.items():
+        if options and attr in options:
+            out[key] = options[attr]
+            continue
+        if cfg is None:
+            out[key] = _safe(default)
+            continue
+        obj = cfg
+        for part in attr.split("."):
+            obj = getattr(obj, part, None)
+        out[key] = obj
+    return out
 
 
 def grad_mode() -> dict:

@@ -73,7 +73,8 @@ class _Payload:
 
 
 @pytest.mark.parametrize("target", ["shard", "meta", "records", "checksums", "extra_pt"])
-def test_planted_pickle_never_runs(tmp_path, target):
+def test_planted_pickle_never_runs(tmp_path, monkeypatch, target):
+    monkeypatch.setenv("COLUMNS", "1000")  # one message, one line: a long temp path must not wrap it
     a = record_tiny(tmp_path / "a")
     bad = copy_trace(a, tmp_path / "bad")
     marker = tmp_path / "PWNED"
@@ -87,5 +88,7 @@ def test_planted_pickle_never_runs(tmp_path, target):
         assert code in (0, 1, 2) and "Traceback" not in err and len(err.strip().splitlines()) <= 1, err
     if target in ("meta", "records"):
         assert all(code == 2 for code, _, _ in results)
+    if target == "checksums":  # not needed to read a closed trace, but never ignored silently
+        assert results[1][0] == 1 and all("checksums.jsonl" in out + err for _, out, err in results)
     if target == "shard":
         assert results[1][0] == 1 and results[2][0] == 2  # --check fails; bisect refuses (verify_shards)

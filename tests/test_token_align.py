@@ -361,6 +361,17 @@ def test_layout_inference_and_overrides(tmp_path):
     assert not (tmp_path / "o4" / "tokens.jsonl").exists()
 
 
+def _torch_row_hashes(x):
+    """row_hashes by the torch path (GPUs, machines without a compiler), whatever this machine built."""
+    from divtrace.tokens import rowhash
+
+    native, rowhash._native_rows = rowhash._native_rows, None
+    try:
+        return rowhash.row_hashes(x)
+    finally:
+        rowhash._native_rows = native
+
+
 def test_row_fingerprints_c_and_torch_agree_and_see_every_bit():
     from divtrace.tokens import rowhash
 
@@ -370,29 +381,13 @@ def test_row_fingerprints_c_and_torch_agree_and_see_every_bit():
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool, torch.float64):
         for cols in (1, 13, 14, 16, 1030):
             x = (torch.randn(5, cols, generator=g) * 50).to(dtype)
-            c = rowhash.row_hashes(x)
-            native, rowhash._native_rows = rowhash._native_rows, None
-            try:
-                t = rowhash.row_hashes(x)
-            finally:
-                rowhash._native_rows = native
-            assert (c == t).all(), (dtype, cols)
+            assert (rowhash.row_hashes(x) == _torch_row_hashes(x)).all(), (dtype, cols)
     # a [16, 1] column with stride 16 on its size-1 dim (found on a GPU, where the torch path runs): both agree
     col = torch.arange(32).reshape(2, 16).t()[:, :1]
     assert col.stride() == (1, 16)
-    native, rowhash._native_rows = rowhash._native_rows, None
-    try:
-        t = rowhash.row_hashes(col)
-    finally:
-        rowhash._native_rows = native
-    assert (rowhash.row_hashes(col) == t).all()
+    assert (rowhash.row_hashes(col) == _torch_row_hashes(col)).all()
     odd = torch.randn(40, generator=g).to(torch.bfloat16)[1:37].reshape(3, 12)  # starts 2 bytes into a 4-byte lane
-    native, rowhash._native_rows = rowhash._native_rows, None
-    try:
-        t = rowhash.row_hashes(odd)
-    finally:
-        rowhash._native_rows = native
-    assert (rowhash.row_hashes(odd) == t).all()
+    assert (rowhash.row_hashes(odd) == _torch_row_hashes(odd)).all()
     x = torch.zeros(3, 4)
     y = x.clone()
     y[1, 2] = -0.0  # one bit: the sign of a zero
@@ -433,3 +428,28 @@ def test_repro_and_verify_of_a_token_divergence(down_proj_traces, tmp_path):
     assert "PASSED: trials: 20 of 20 random trials bitwise equal" in " ".join(stdout.split())
     rc, stdout, _ = _cli("verify", out)
     assert rc == 1 and "FAILED: trials: 0 of 20" in " ".join(stdout.split())
+
+
+def test_every_stored_row_fingerprint_is_the_row_of_the_stored_tensor(down_proj_traces):
+    """Rows written once and shared by views (reshapes, the heads transpose) and rows hashed anew: each stored
+    fingerprint equals the fingerprint of that row of the tensor the full-mode trace holds."""
+    import json as _json
+
+    from divtrace.tokens import layout, rowhash
+    from divtrace.tokens.store import TokenIndex
+    from divtrace.trace.reader import Trace
+
+    for path in down_proj_traces["full"]:
+        t, idx = Trace(path), TokenIndex(path)
+        meta = _json.loads((path / "meta.json").read_text())["tokens"]
+        assert meta["values_sharing_rows"] > 0 and meta["row_scheme"] == rowhash.ROW_SCHEME
+        checked = 0
+        for vid, (cid, code, off) in idx.index.items():
+            if off < 0 or not t.has_bytes(vid):
+                continue
+            g = idx.grids[cid]
+            want = rowhash.row_hashes(layout.rows_2d(t.tensor(vid), code))
+            got = idx.bin[off:off + layout.row_count(code, g.shape)]
+            assert (want == got).all(), (path.name, vid, code)
+            checked += 1
+        assert checked > 100

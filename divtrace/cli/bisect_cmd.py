@@ -56,8 +56,10 @@ def render_bisect(o: Output, r) -> None:
         tk = d["tokens"]
         o.passed(f"identical: {tk['shared']} shared tokens, every compared row bitwise equal ({r.compared} row pairs; "
                  f"final logits of {tk['final_compared']} tokens) [{la} vs {lb}]")
-    elif r.verdict == "inconclusive":
-        o.print(f"[bold yellow]INCONCLUSIVE[/]: {d.get('reason')}")
+    elif tokens and r.verdict == "inconclusive":
+        tk = d["tokens"]
+        o.inconclusive(f"{r.reason} [{la} vs {lb}: {tk['shared']} shared tokens, {tk['differing']} differ; "
+                       f"{tk['only_a']} tokens only in a, {tk['only_b']} only in b]")
     elif r.verdict == "identical":
         o.passed(f"identical: {r.compared} tensor pairs compared, every one bitwise equal (dtype, shape and bytes) "
                  f"[{la} vs {lb}]")

@@ -15,6 +15,9 @@ def record(
     out: Annotated[Path, typer.Option("--out", "-o", help="trace directory to create")],
     mode: Annotated[Literal["full", "hash"], typer.Option(help="full (tensors) or hash (bit-exact fingerprints only)")] = "full",
     no_ops: Annotated[bool, typer.Option("--no-ops", help="record module boundaries only, not aten ops")] = False,
+    compiled: Annotated[Optional[bool], typer.Option("--compiled/--no-compiled", help="record inside torch.compile'd "
+                        "code at module boundaries (default: when the model is compiled and --ops is not forced; "
+                        "see docs/compiled.md)")] = None,
     include: Annotated[Optional[str], typer.Option(help="regex over module paths: record only these (and their children)")] = None,
     exclude: Annotated[Optional[str], typer.Option(help="regex over module paths: skip these subtrees")] = None,
     label: Annotated[Optional[str], typer.Option(help="run label, e.g. train or infer (default: directory name)")] = None,
@@ -50,8 +53,9 @@ def record(
     check_not_busy(out)  # say so before building the model, which can take minutes
     t0 = time.time()
     try:
-        elapsed = record_entry(entry, out, args=kwargs, mode=mode, ops=not no_ops, include=include, exclude=exclude,
-                               label=label or out.name, overwrite=overwrite, grad_mode=grad_mode, durable=durable)
+        elapsed = record_entry(entry, out, args=kwargs, mode=mode, ops=False if no_ops else None, include=include,
+                               exclude=exclude, label=label or out.name, overwrite=overwrite, grad_mode=grad_mode,
+                               durable=durable, compiled=compiled)
     except DivtraceError:
         raise
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the recorder already closed the trace and marked it

@@ -191,6 +191,7 @@ class BisectResult:
     hint: str | None = None
     bitwise_differs: int = 0
     tolerance: dict | None = None
+    compiled: dict | None = None  # traces recorded inside compiled code: divtrace.compiled.report
     reason: str = ""  # why this verdict (and, when inconclusive, what to do next)
     coverage: Coverage | None = None
 
@@ -207,7 +208,7 @@ class BisectResult:
                 "metrics_available": self.metrics_available,
                 "complete": {"a": self.complete[0], "b": self.complete[1]}, "unmatched_calls": self.unmatched,
                 "bitwise_differs": self.bitwise_differs, "tolerance": self.tolerance,
-                "warnings": self.warnings, "hint": self.hint}
+                "warnings": self.warnings, "hint": self.hint, "compiled": self.compiled}
 
 
 _UNSET = object()
@@ -665,12 +666,17 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
     env_keys = ("torch_version", "device", "cuda_device_name")
     sets = _settings_diff({**ta.meta.get("settings", {}), **{k: ta.meta.get(k) for k in env_keys}},
                          {**tb.meta.get("settings", {}), **{k: tb.meta.get(k) for k in env_keys}})
+    from divtrace.compiled.report import annotate
+
+    compiled, compiled_hint = annotate(ta, tb, first)
+    hint = _hint(ta, tb, first)
+    hint = "; ".join(h for h in (compiled_hint, hint) if h) or None
     return BisectResult(
         verdict=v.verdict, reason=v.reason, coverage=v.coverage, compared=cmp.compared, first=first, next=nxt,
         settings=sets,
         final=_final(ta, tb, pairing, cmp), labels=(ta.label, tb.label), paths=(str(ta.path), str(tb.path)),
         metrics_available=cmp.values_available, complete=(ta.complete, tb.complete), unmatched=unmatched,
-        warnings=warnings, hint=_hint(ta, tb, first), bitwise_differs=cmp.bitwise_differs,
+        warnings=warnings, hint=hint, bitwise_differs=cmp.bitwise_differs, compiled=compiled,
         tolerance=None if cmp.tol is None else {"atol": cmp.tol.atol, "rtol": cmp.tol.rtol, "ulp": cmp.tol.ulp})
 
 

@@ -255,11 +255,11 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
                             "stopped is compared")
         warnings += [f"{t.path} (recording): {w}" for w in t.meta.get("warnings") or [] if isinstance(w, str)]
     # The verdict rule (divtrace.compare.verdict): the final outputs are each shared token's logits row.
-    v = decide(origin_found=first is not None, within_tolerance=False, final_compared=final_compared > 0,
+    ver = decide(origin_found=first is not None, within_tolerance=False, final_compared=final_compared > 0,
                final_equal=not final_bad, a=_seen(ta, "a", tb), b=_seen(tb, "b", ta), calls_compared=len(shared),
                only_a=tokens["only_a"], only_b=tokens["only_b"], unit="tokens",
                final_note="no shared token's logits were recorded with token rows on both sides")
-    verdict, reason = v.verdict, v.reason
+    verdict, reason = ver.verdict, ver.reason
     if first is None and n_diff and verdict != INCONCLUSIVE:
         # (final logits all equal, yet some module row differs: never identical; nothing localized it either)
         verdict, reason = INCONCLUSIVE, (
@@ -281,7 +281,7 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
         labels=(ta.label, tb.label), paths=(str(ta.path), str(tb.path)), metrics_available=metrics,
         complete=(ta.complete, tb.complete), unmatched={"a": 0, "b": 0}, warnings=warnings, hint=None,
         bitwise_differs=n_diff, tolerance=None, tokens=tokens, origins=origins, first_extra=first_extra,
-        reason=reason, coverage=v.coverage, first_cells=first_cells, token_sides=(sa, sb), module_rows=module_rows,
+        reason=reason, coverage=ver.coverage, first_cells=first_cells, token_sides=(sa, sb), module_rows=module_rows,
         token_order={k: (seq_of[k], pos_of[k]) for k in shared})
 
 

@@ -240,6 +240,10 @@ def write_repro(a, b, out, *, at: int | None = None, path_map: PathMap | None = 
     """Write a standalone repro of the first divergence between traces `a` and `b` (or of record `at` of `a`)."""
     ta = a if isinstance(a, Trace) else Trace(a)
     tb = b if isinstance(b, Trace) else Trace(b)
+    from divtrace.repro.compiled import is_compiled_pair, write_compiled_repro  # docs/compiled.md
+
+    if at is None and is_compiled_pair(ta, tb):
+        return write_compiled_repro(ta, tb, out, overwrite=overwrite, path_map=path_map)
     imports = list(imports)
     for m in imports:
         try:

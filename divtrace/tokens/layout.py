@@ -105,6 +105,25 @@ def row_index(code: str, grid_shape: list[int], cell: int) -> list | None:
     return [b, c] if code == "bt" else [b, ":", c]
 
 
+ROW_MAJOR = ("bt", "n")  # layouts whose rows are consecutive chunks of the tensor's row-major bytes, cell by cell
+
+
+def same_rows(src_code: str, code: str, src, t, grid_shape: list[int]) -> bool:
+    """Whether view `t` of `src` (the same storage) holds, cell by cell, the same row bytes as `src` does, so its
+    row fingerprints are `src`'s: two row-major layouts of contiguous tensors with as many rows (a reshape), or the
+    [B, T, H, d] <-> [B, H, T, d] transpose (dims 1 and 2 swapped, the same strides otherwise)."""
+    if row_count(src_code, grid_shape) != row_count(code, grid_shape) or src.storage_offset() != t.storage_offset():
+        return False
+    if src_code in ROW_MAJOR and code in ROW_MAJOR:
+        return src.is_contiguous() and t.is_contiguous()
+    if {src_code, code} == {"bt", "bht"} and src.dim() == t.dim() >= 3:
+        ss, st = list(src.stride()), list(t.stride())
+        sh, th = list(src.shape), list(t.shape)
+        ss[1], ss[2], sh[1], sh[2] = ss[2], ss[1], sh[2], sh[1]
+        return ss == st and sh == th
+    return False
+
+
 def row_shape(shape, code: str) -> tuple:
     """The shape of one row of a tensor of `shape` laid out as `code`."""
     if code == "n":

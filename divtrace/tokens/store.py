@@ -39,6 +39,8 @@ class TokenStoreWriter:
         self.grids = 0
         self.values = 0
         self.unrowed: dict[str, int] = {}  # layout code ("?", "x") -> values compared whole
+        self.current: dict[int, tuple[str, int]] = {}  # vid -> (code, offset) of the root call in progress
+        self.shared = 0  # values that point at another value's rows (views of it)
 
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
@@ -62,9 +64,21 @@ class TokenStoreWriter:
             self.unrowed[code] = self.unrowed.get(code, 0) + 1
             return
         self._index.append(f'[{vid},{call_id},"{code}",{self.rows}]')
+        self.current[vid] = (code, self.rows)
         self._bin.append(hashes.astype("<u8", copy=False).tobytes())
         self.rows += len(hashes)
         self.values += 1
+
+    def add_rows_ref(self, vid: int, call_id: int, code: str, offset: int) -> None:
+        """A value whose rows are another value's (a view holding the same bytes per row): its index line points at
+        those fingerprints."""
+        self._index.append(f'[{vid},{call_id},"{code}",{offset}]')
+        self.current[vid] = (code, offset)
+        self.shared += 1
+
+    def end_call(self) -> None:
+        self.current.clear()
+        self.flush()
 
     def flush(self) -> None:
         if self._bin:
@@ -80,13 +94,17 @@ class TokenStoreWriter:
     def close(self) -> dict:
         try:
             self.flush()
+        except OSError:
+            self._bin.clear(), self._index.clear(), self._tokens.clear()
+            raise
         finally:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
         from divtrace.tokens.rowhash import ROW_SCHEME
 
-        return {"row_scheme": ROW_SCHEME, "grids": self.grids, "values_with_rows": self.values, "rows": self.rows,
+        return {"row_scheme": ROW_SCHEME, "grids": self.grids, "values_with_rows": self.values + self.shared,
+                "values_sharing_rows": self.shared, "rows": self.rows,
                 "compared_whole": dict(self.unrowed)}
 
 

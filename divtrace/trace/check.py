@@ -3,7 +3,9 @@
 Opening the trace already verified records.jsonl against its sha256 and validated every record. Here every
 stored tensor is checked against its fingerprint (and, in older traces that carry one, every shard file
 against its sha256 first), and every view stored as "rebuild from the op" against the fingerprint derived from
-its op and input."""
+its op and input. (meta.json was checked against the records when the trace was opened, see
+trace/integrity.py; a file of the trace that cannot be read but is not needed, a closed trace's
+checksums.jsonl, is a problem here.)"""
 from __future__ import annotations
 
 from divtrace.errors import DivtraceError
@@ -29,6 +31,7 @@ def check_trace(t) -> dict:
     problems += [p for p in map(t.derived_problem, views) if p]  # stored as "rebuild from the op": must agree
     if not t.verified:
         problems += t.warnings
+    problems += t.file_problems  # a file of the trace that cannot be read (each also a warning when opened)
     if not t.complete:
         problems.append(f"{t.path}: trace is incomplete (status: {t.status})")
     return {"ok": not problems, "tensors": n, "views": len(views), "problems": problems}
