@@ -23,23 +23,8 @@ import torch
 import divtrace
 from divtrace.audit import audit
 
-
-def build(small: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    if small:
-        cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=4)
-        seq = 64
-    else:
-        cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                          num_attention_heads=8, num_key_value_heads=8)
-        seq = 256
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1))
-    return model, ids
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_record import build  # noqa: E402  (the same bench model)
 
 
 def forward_seconds(model, ids, repeats: int) -> list[tuple[float, float]]:
