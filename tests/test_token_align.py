@@ -453,3 +453,21 @@ def test_every_stored_row_fingerprint_is_the_row_of_the_stored_tensor(down_proj_
             assert (want == got).all(), (path.name, vid, code)
             checked += 1
         assert checked > 100
+
+
+def test_packed_rows_hold_one_sequence_per_position_restart():
+    """A trainer row packing two sequences (position ids restarting at 0) holds the same tokens as the two
+    sequences in rows of their own, right-padded."""
+    from divtrace.tokens.identity import TokenTracker
+
+    s1, s2 = [5, 6, 7], [8, 9]
+    packed = TokenTracker().on_root_call(0, 0, (), {"input_ids": torch.tensor([s1 + s2]),
+                                                    "position_ids": torch.tensor([[0, 1, 2, 0, 1]])}, "packed")
+    ids, mask = tc.right_padded([s1, s2])
+    rows = TokenTracker().on_root_call(0, 0, (), {"input_ids": ids, "attention_mask": mask,
+                                                  "position_ids": tc.positions(mask)}, "rows")
+    assert sorted(packed.keys) == sorted(k for k in rows.keys if k)
+    assert packed.pos == [0, 1, 2, 0, 1] and len(set(packed.seq)) == 2
+    # the same ids in another order are other tokens: identity is the prefix, not the bag of ids
+    other = TokenTracker().on_root_call(0, 0, (), {"input_ids": torch.tensor([[6, 5, 7]])}, "other")
+    assert other.keys[2] != packed.keys[2] and other.keys[0] != packed.keys[0]
