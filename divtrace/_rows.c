@@ -20,6 +20,22 @@ static inline uint64_t mix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
+/* The 4-byte-lane sums, the common case (fp32 rows, and bf16/fp16 rows of even length): cloned for AVX-512,
+   AVX2 and the baseline, the fastest the CPU runs picked at load (GCC target_clones); the same numbers in each. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void sums32(const unsigned char *p, Py_ssize_t n, const uint32_t *u, uint32_t *s_out, uint32_t *t_out) {
+    const uint32_t *v = u + n;
+    uint32_t s = 0, t = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t x;
+        memcpy(&x, p + 4 * i, 4);
+        s += x * u[i];
+        t += x * v[i];
+    }
+    *s_out = s;
+    *t_out = t;
+}
+
 /* row_hashes(ptr, rows, row_stride_bytes, rowbytes, weights_ptr, out_ptr): rows at ptr + r * row_stride,
    each rowbytes long; weights: U then V, each rowbytes / lane uint32; out receives rows uint64. */
 static PyObject *py_row_hashes(PyObject *self, PyObject *args) {
@@ -35,14 +51,7 @@ static PyObject *py_row_hashes(PyObject *self, PyObject *args) {
         const unsigned char *p = (const unsigned char *)(uintptr_t)ptr + r * stride;
         uint32_t s = 0, t = 0;
         if (rowbytes % 4 == 0) {
-            Py_ssize_t n = rowbytes / 4;
-            const uint32_t *v = u + n;
-            for (Py_ssize_t i = 0; i < n; i++) {
-                uint32_t x;
-                memcpy(&x, p + 4 * i, 4);
-                s += x * u[i];
-                t += x * v[i];
-            }
+            sums32(p, rowbytes / 4, u, &s, &t);
         } else if (rowbytes % 2 == 0) {
             Py_ssize_t n = rowbytes / 2;
             const uint32_t *v = u + n;
