@@ -239,7 +239,8 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
         rank = sa.order(ra).get((d.module, d.call), 1 << 30)
         op_rank = d.index if d.kind == "op" else (1 << 30)
         op_rank -= va.calls[ra].enter_index if op_rank < (1 << 30) else 0
-        found.append(((rank, op_rank, pos_of[k]), k, d, ra, ca, rb, cb))
+        # an origin before a propagation (a token whose inputs already differ says less), then forward order
+        found.append(((d.cause != "origin", rank, op_rank, pos_of[k]), k, d, ra, ca, rb, cb))
     found.sort(key=lambda f: f[0])
 
     # -- report ------------------------------------------------------------------------------------------------
