@@ -163,7 +163,9 @@ class TokenView:
         self.vkey = _RowKeys(tokens, root_cid, cell)
         self.rop, self.rin, self.rout, self.rcall, self.vprod = t.rop, t.rin, t.rout, t.rcall, t.vprod
         self.meta, self.mode, self.path, self.label = t.meta, t.mode, t.path, t.label
-        self.vderived = frozenset()  # row fingerprints are of real bytes; whole keys of derived views compare as is
+        # row fingerprints are of real bytes; whole keys of derived views compare as is (so the comparator never
+        # settles a derived view from bytes, and needs no real_key)
+        self.vderived = frozenset()
         self.complete = t.complete
 
     @property
@@ -183,18 +185,11 @@ class TokenView:
                 return row
         return x
 
-    def real_key(self, vid: int):
-        return self.vkey[vid]
-
 
 class TokenComparator(ValueComparator):
-    """ValueComparator over two TokenViews: values whose keys cannot be paired (another row shape: a decode
+    """ValueComparator over two TokenViews: values whose keys cannot be paired (another row length: a decode
     step's cache against a full sequence; a cross-token value) are not compared at all, neither equal nor
-    different; another dtype with the same row shape is a difference (an fp32 residual against bf16)."""
-
-    def __init__(self, a: TokenView, b: TokenView, tol=None):
-        super().__init__(a, b, tol)
-        self._views = False
+    different; another dtype with the same row length is a difference (an fp32 residual against bf16)."""
 
     @staticmethod
     def comparable(ka, kb) -> bool:

@@ -47,7 +47,7 @@ class TokenBisectResult(BisectResult):
         d = super().to_dict()
         d["alignment"] = "tokens"
         d["tokens"] = self.tokens
-        d["origins"] = [o for o in self.origins]
+        d["origins"] = list(self.origins)
         if d["first"] is not None:
             d["first"].update(self.first_extra)
         return d

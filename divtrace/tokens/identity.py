@@ -53,13 +53,6 @@ class TokenGrid:
     source: str  # "hf" or "declared"
     new_seqs: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq number, its first ids) started here
 
-    @property
-    def cells(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
 
 class _Seq:
     __slots__ = ("number", "keys", "ids")
