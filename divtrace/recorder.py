@@ -835,9 +835,14 @@ class Recorder:
             return out
         with _BUSY:
             outs = op_tensors(out, [])
+            writes = None
             if out is None:  # returns nothing, writes its result into arguments (vLLM's _C.onednn_mm): those
-                outs = [t for pos, name in _mutated_args(func)  # are its outputs
-                        for t in op_tensors(args[pos] if pos < len(args) else kwargs.get(name), [])]
+                outs, writes = [], []  # are its outputs, and `out` says which arguments hold them
+                for pos, name in _mutated_args(func):
+                    where = pos if pos < len(args) else name
+                    got = op_tensors(args[pos] if pos < len(args) else kwargs.get(name), [])
+                    outs += got
+                    writes += [where] if len(got) == 1 else [[where, k] for k in range(len(got))]
             plain_out = [self._plain(t, func) for t in outs]
             if not outs or any(p is None for p in plain_out):
                 return out
@@ -847,7 +852,7 @@ class Recorder:
             out_vids = [self._produced(p, index, plain_in, values, name, enc_args, is_view, enc_kwargs)
                         for p in plain_out]
             vid_by_id = {id(t): v for t, v in zip(outs, out_vids)}
-            enc_out = self._encode_out(out, vid_by_id)
+            enc_out = self._encode_out(out, vid_by_id) if writes is None else {"$writes": writes}
             rec = OpRecord(index, self._stack[-1].call_id, name, enc_args, enc_kwargs, vids, out_vids, enc_out)
             self.writer.append(rec, values)
         return out

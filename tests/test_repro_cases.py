@@ -35,6 +35,11 @@ def scaled_add(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
     return (x.float() + alpha * y.float()).to(x.dtype)  # one rounding
 
 
+@torch.library.custom_op("divtrace_repro_test::scaled_add_", mutates_args=("x",))
+def scaled_add_(x: torch.Tensor, y: torch.Tensor, alpha: float) -> None:
+    x.copy_((x.float() + alpha * y.float()).to(x.dtype))  # in place, returns nothing (vLLM's rotary_embedding)
+
+
 @torch.library.custom_op("divtrace_repro_test::stateful", mutates_args=())
 def stateful(x: torch.Tensor) -> torch.Tensor:
     CALLS[0] += 1
@@ -68,6 +73,9 @@ class Mix(nn.Module):
             return (h.float() + 0.3 * x.float()).to(x.dtype)
         if self.kind == "custom":
             return torch.ops.divtrace_repro_test.scaled_add(h, x, 0.3)
+        if self.kind == "custom_inplace":
+            torch.ops.divtrace_repro_test.scaled_add_(h, x, 0.3)
+            return h
         return torch.ops.divtrace_repro_test.stateful(h)
 
 
@@ -323,3 +331,22 @@ def test_map_pairs_renamed_modules(tmp_path):
     assert cli(["repro", str(a), str(b), "--out", str(tmp_path / "r"), "--map", str(tmp_path / "map.yaml")]) == 0
     m = json.loads((tmp_path / "r" / "manifest.json").read_text())
     assert (m["origin"]["module"], m["origin"]["module_b"]) == ("blk", "engine_block")
+
+
+def test_custom_op_that_writes_into_its_argument_replays(ops, tmp_path):
+    """An op that returns nothing and writes its result into an argument (vLLM's _C.rotary_embedding): the trace
+    says which argument holds each output ($writes) and the repro reads the result from it after the call."""
+    a = record_mix(tmp_path / "a", "eager")
+    b = record_mix(tmp_path / "b", "custom_inplace")
+    from divtrace.trace.reader import Trace
+
+    tb = Trace(b)
+    rec = next(r for r in tb.records if r.kind == "op" and r.op == "divtrace_repro_test.scaled_add_.default")
+    assert rec.out == {"$writes": [0]} and len(rec.outputs) == 1
+    r = write_repro(a, b, tmp_path / "r", imports=[OPS_MODULE])
+    assert r.ok, r.explanation
+    src = (tmp_path / "r" / "repro.py").read_text()
+    assert "torch.ops.divtrace_repro_test.scaled_add_.default(" in src and "_r = torch.ops.divtrace_repro_test" not in src
+    p = subprocess.run([sys.executable, "-I", str(tmp_path / "r" / "repro.py")], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120)
+    assert p.returncode == 1 and "DIFFER" in p.stdout.upper(), p.stdout + p.stderr

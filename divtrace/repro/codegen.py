@@ -192,6 +192,22 @@ class SideCode:
     seq_symbolic: bool = False  # some size is written in terms of S
 
 
+def _written_arg(rec, where) -> int | None:
+    """The vid passed at `where` (a position, a keyword, or [either, k] for element k of a list argument)."""
+    k = None
+    if isinstance(where, list) and len(where) == 2 and type(where[1]) is int:
+        where, k = where
+    if type(where) is int:
+        x = rec.args[where] if 0 <= where < len(rec.args) else None
+    elif type(where) is str:
+        x = rec.kwargs.get(where)
+    else:
+        return None
+    if k is not None:
+        x = x[k] if isinstance(x, list) and 0 <= k < len(x) else None
+    return x["$v"] if isinstance(x, dict) and set(x) == {"$v"} else None
+
+
 def select_row(x, index: list):
     """x[index] with ":" for a whole dim (Side.row_index)."""
     return x[tuple(slice(None) if i == ":" else i for i in index)]
@@ -251,6 +267,18 @@ def gen_side(letter: str, side: Side, names: dict[int, str], params: list[str], 
             call = f"_unreplayable({ascii(msg)})"
         module = t.calls[rec.call_id].module
         comment = f"  # record {i}, {ascii(module or '<root>')}"
+        if isinstance(rec.out, dict) and set(rec.out) == {"$writes"}:
+            # Returns nothing and writes its results into its arguments (vLLM's _C.rotary_embedding rotates query
+            # and key in place): after the call, each output is the variable passed at that argument.
+            lines.append(f"    {call}{comment}")
+            for where, vid in zip(rec.out["$writes"], rec.outputs):
+                arg = _written_arg(rec, where)
+                if arg is None or arg not in ref:
+                    code.unreplayable.append(f"record {i} ({rec.op}): writes its result into an argument that "
+                                             "is not a recorded tensor")
+                    break
+                ref[vid] = ref[arg]
+            continue
         outs = (list(_out_paths(rec.out)) if rec.out is not None else
                 [((), rec.outputs[0])] if len(rec.outputs) == 1 else [((k,), v) for k, v in enumerate(rec.outputs)])
         if len(outs) == 1 and outs[0][0] == ():
