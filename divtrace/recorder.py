@@ -194,6 +194,27 @@ def _reads_only(func) -> bool:
     return r
 
 
+_CUSTOM_WRITES: dict = {}
+
+
+def _custom_op_writes(func, args, kwargs) -> set | None:
+    """ids of the tensors a torch.library.custom_op is about to write (None for any other op)."""
+    m = _CUSTOM_WRITES.get(func, 0)
+    if m == 0:
+        from torch._library import custom_ops
+
+        schema = getattr(func, "_schema", None)
+        m = _CUSTOM_WRITES[func] = (_mutated_args(func) or None) if schema is not None and \
+            schema.name in getattr(custom_ops, "OPDEFS", {}) else None
+    if not m:
+        return None
+    out = set()
+    for pos, key in m:
+        x = args[pos] if pos < len(args) else kwargs.get(key)
+        out.update(id(y) for y in (x if isinstance(x, (list, tuple)) else (x,)) if isinstance(y, torch.Tensor))
+    return out
+
+
 def _mutated_args(func) -> list:
     m = _MUTATED.get(func)
     if m is None:
@@ -252,6 +273,7 @@ class Recorder:
         self._view_children: dict[int, list] = {}  # derived vid -> views derived from it: (value, op, args, kwargs)
         self._unsettled: set[int] = set()  # vids of fresh buffers (and their views): re-read when used again
         self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (inference tensors)
+        self._bumped: set | None = None  # ids of the arguments the running custom op writes (see on_op)
         self._mode_obj = None
         self._my_handlers: dict = {}
         self._tokens_on = bool(tokens)
@@ -476,6 +498,9 @@ class Recorder:
         """The value id of `t` as it is now; a tensor never seen (or changed behind our back) is new."""
         entry = self._tensors.get(t)
         version = self._version(t)
+        if self._bumped and id(t) in self._bumped and type(version) is int and entry is not None \
+                and entry[1] == version - 1:
+            return entry[0]  # (a custom op's argument it is about to write: torch counted the write already)
         if boundary and entry is not None and entry[1] == version and self._derived:
             entry = self._real_hash(t, entry)
         fp = None
@@ -819,6 +844,10 @@ class Recorder:
         if after:
             out = func(*args, **kwargs)
         with _BUSY:
+            # A torch.library.custom_op that writes its arguments bumps their version counters *before* it reaches
+            # this dispatch mode (torch/_library/custom_ops.py, adinplaceorview_impl): those arguments are read
+            # here as they were, one version back (else a derived view would become a new value with no producer).
+            self._bumped = _custom_op_writes(func, args, kwargs) if not after else None
             tensors_in = op_tensors((args, kwargs), [])
             plain_in = [self._plain(t, func) for t in tensors_in]
             plain = all(p is not None for p in plain_in)  # not `None in`: that runs Tensor.__eq__
@@ -828,6 +857,7 @@ class Recorder:
                 local = {id(t): p for t, p in zip(tensors_in, plain_in)}
                 enc_args = [self._encode(a, values, vids, local) for a in args]
                 enc_kwargs = {k: self._encode(v, values, vids, local) for k, v in kwargs.items()}
+        self._bumped = None
         if not after:
             out = func(*args, **kwargs)
             self._note_writes(func, args, kwargs)

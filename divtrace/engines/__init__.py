@@ -16,3 +16,19 @@ def engine_recorder(engine, path, **kwargs):
 
         return VllmRecorder(engine, path, **kwargs)
     return None
+
+
+# The module whose import registers an engine's compiled kernels as torch ops (what a repro script imports to
+# replay one of them outside the engine), by the op's namespace; keyed by the engine's name in meta.json.
+CUSTOM_OP_MODULES = {
+    "vllm": {"_C": "vllm._custom_ops", "_C_cache_ops": "vllm._custom_ops", "_C_utils": "vllm._custom_ops",
+             "_C_cpu": "vllm._custom_ops", "_moe_C": "vllm._custom_ops"},
+}
+
+
+def custom_op_module(meta: dict, op: str) -> str | None:
+    """The module that defines custom op `op` ("ns.name.overload") of the engine a trace's meta names, or None."""
+    engine = meta.get("engine")
+    if not isinstance(engine, dict):
+        return None
+    return CUSTOM_OP_MODULES.get(engine.get("name"), {}).get(op.split(".")[0])

@@ -296,7 +296,8 @@ def gen_side(letter: str, side: Side, names: dict[int, str], params: list[str], 
                 lines.append(f"    {var} = _r{''.join(f'[{k}]' for k in path)}")
     if side.row_index is not None:  # token alignment: the token's row of this side's output (its batch is its own)
         idx = ", ".join(":" if i == ":" else str(i) for i in side.row_index)
-        lines.append(f"    return {ref[side.output]}[{idx}]  # the token's row of a [{', '.join(map(str, t.values[side.output].shape))}] output")
+        flat = ".reshape(-1)" if side.flat_row else ""  # (rows of another shape on the other side: compared flat)
+        lines.append(f"    return {ref[side.output]}[{idx}]{flat}  # the token's row of a [{', '.join(map(str, t.values[side.output].shape))}] output")
     else:
         lines.append(f"    return {ref[side.output]}")
     if s_sites and any(re.search(r"\bS\b", x) for x in lines[head:]):
@@ -339,7 +340,7 @@ from safetensors.torch import load_file
 
 def render(*, device: str, origin: dict, input_names: list[str], specs: dict, batch: int | None, settings: dict,
            side_codes: dict[str, SideCode], custom_imports: list[tuple[str, str, str | None]], counts: dict,
-           token_ties: list | None = None) -> str:
+           token_ties: list | None = None, keep_recorded: list | None = None) -> str:
     """The whole script. custom_imports: (op, module, directory it was found in or None)."""
     out = [HEADER]
     if custom_imports:
@@ -374,6 +375,10 @@ def render(*, device: str, origin: dict, input_names: list[str], specs: dict, ba
         out.append("# Token alignment: each side runs the token at its own batch and returns the token's row. These")
         out.append("# [input of b, row, input of a, row] hold the same token's input row: random trials copy it across.")
         out.append(f"TOKEN_TIES = {pylit(token_ties)}")
+    if keep_recorded:
+        out.append("# The two sides hold these in different forms (a cos/sin table against an engine's cache and")
+        out.append("# positions): no row of one equals a row of the other, so random trials keep their recorded values.")
+        out.append(f"KEEP_RECORDED = {pylit(keep_recorded)}")
     out.append("")
     for letter in ("a", "b"):
         out.append("")

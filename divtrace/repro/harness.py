@@ -102,7 +102,7 @@ def random_inputs(seed, shapes=None):
         shape = [int(s) for s in shapes.get(k, spec["shape"])]
         dtype = getattr(torch, spec["dtype"].removeprefix("torch."))
         same = shape == list(spec["shape"])
-        if spec["role"] != "activation" and same:
+        if (spec["role"] != "activation" or k in (globals().get("KEEP_RECORDED") or ())) and same:
             out[k] = rec[k]
             continue
         if (spec["role"] == "constant" and spec["batch_dim"] == 0 and shape[1:] == list(spec["shape"][1:])

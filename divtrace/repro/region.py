@@ -63,6 +63,8 @@ class Target:
     # and the index of the token's row in each side's output (the repro compares that row, not the batch).
     views: dict | None = None
     row_index: dict | None = None
+    # Cut at an engine's parting op (repro/narrow.py): random trials keep the inputs no tie pairs as recorded.
+    keep_untied: bool = False
 
 
 @dataclass
@@ -77,6 +79,7 @@ class Side:
     before: int  # ops a repro of the whole diverging call would hold (its subtree, plus region ops outside it)
     roles: dict[int, str] = field(default_factory=dict)  # leaf vid -> activation | parameter | constant
     row_index: list | None = None  # token alignment: the side returns output[row_index] (":" is a whole dim)
+    flat_row: bool = False  # ... flattened, where the other side's row has another shape ([H, D] against [H*D])
 
 
 def _value_key(t: Trace, vid: int):
@@ -104,11 +107,23 @@ def _call_by_key(t: Trace, module: str, call: int) -> ModuleCall:
     raise DivtraceError(f"{t.path}: no call {call} of module {module!r}")
 
 
+def token_row_index(view, vid: int) -> list | None:
+    """The index of the token's row in value `vid` of a TokenView (":" for a whole dim), None when it has none."""
+    from divtrace.tokens import layout
+
+    e = view.tokens.index.index.get(vid)
+    if e is None or e[0] != view.root_cid or e[2] < 0:
+        return None
+    g = view.tokens.index.grids[view.root_cid]
+    if layout.cell_row(e[1], g.shape, view.cell) is None:
+        return None
+    return layout.row_index(e[1], g.shape, view.cell)
+
+
 def _token_target(ta: Trace, tb: Trace, r, path_map: PathMap | None) -> Target:
     """The first divergence of a token-aligned bisect: each side's call that holds the token, the differing values
     (each side's whole tensor, at the batch that side ran), and the token's row in each."""
     from divtrace.compare.token_align import TokenView
-    from divtrace.tokens import layout
 
     first = r.first
     ra, ca, rb, cb = r.first_cells
@@ -119,13 +134,10 @@ def _token_target(ta: Trace, tb: Trace, r, path_map: PathMap | None) -> Target:
         raise DivtraceError(f"{tb.path}: no counterpart of {first.module or '<root>'} for the token; cannot cut a repro")
     rows = {}
     for s, view, vid in (("a", va_view, first.vid_a), ("b", vb_view, first.vid_b)):
-        e = view.tokens.index.index.get(vid)
-        g = view.tokens.index.grids[view.root_cid]
-        r_ = layout.cell_row(e[1], g.shape, view.cell) if e is not None and e[0] == view.root_cid and e[2] >= 0 else None
-        if r_ is None:
+        rows[s] = token_row_index(view, vid)
+        if rows[s] is None:
             raise DivtraceError(f"{view.path}: the differing value of {first.module or '<root>'} has no row for the token "
                                 "(its token layout is unknown); cannot cut a repro of one token's row")
-        rows[s] = layout.row_index(e[1], g.shape, view.cell)
     return Target(first.vid_a, first.vid_b, ta.calls[call_a.call_id], tb.calls[call_b.call_id], first.index,
                   first.index_b, first.op, first.op_b, first.cause, first.tensor,
                   views={"a": va_view, "b": vb_view}, row_index=rows)
@@ -297,10 +309,13 @@ class _Walk:
 
 
 def build_side(t: Trace, other: Trace, start: int, call: ModuleCall, other_start: int, key=None,
-               other_key=None) -> Side:
+               other_key=None, other_keys: set | None = None) -> Side:
     """Each side's region and leaf inputs, from shared values to its diverging tensor `start`. `key`, `other_key`:
-    how each side's values are keyed (default: whole fingerprints; token alignment: the token's rows)."""
-    w = _Walk(t, start, call, cone_keys(other, other_start, other_key), key)
+    how each side's values are keyed (default: whole fingerprints; token alignment: the token's rows).
+    `other_keys`: what the walk stops at, when not the cone of `other_start` (repro/narrow.py)."""
+    if other_keys is None:
+        other_keys = cone_keys(other, other_start, other_key)
+    w = _Walk(t, start, call, other_keys, key)
     ops, leaves = set(), set()
     w.walk([start], ops, leaves)
     w.climb(ops, leaves)
@@ -408,3 +423,19 @@ def common_suffix_start(sa: Side, sb: Side) -> tuple[int, int] | None:
     if not computing or not frontier or frontier == [(sa.output, sb.output)]:
         return None
     return min(frontier, key=lambda p: ta.values[p[0]].producer)
+
+
+def row_shape(side: Side) -> list[int] | None:
+    """The shape of the token's row a token-aligned side returns, None for a whole-value side."""
+    if side.row_index is None:
+        return None
+    shape = side.trace.values[side.output].shape
+    return [n for n, i in zip(shape, list(side.row_index) + [":"] * (len(shape) - len(side.row_index))) if i == ":"]
+
+
+def flatten_rows(sides: dict[str, Side]) -> None:
+    """Rows of the same token in another shape on each side (HF's [H, D] head rows against an engine's [H*D]) are
+    compared flat, as bisect compares them."""
+    sa, sb = row_shape(sides["a"]), row_shape(sides["b"])
+    if sa is not None and sb is not None and sa != sb:
+        sides["a"].flat_row = sides["b"].flat_row = True

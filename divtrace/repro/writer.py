@@ -17,10 +17,12 @@ from pathlib import Path
 import torch
 
 from divtrace.compare.align import PathMap
+from divtrace.engines import custom_op_module
 from divtrace.errors import DivtraceError
 from divtrace.oserrors import cannot_write, is_write_error
 from divtrace.repro import codegen, seqlen
-from divtrace.repro.region import (RANDOM_OPS, Side, Target, build_side, check_values, common_suffix_start,
+from divtrace.repro.narrow import narrow_to_parting_op
+from divtrace.repro.region import (RANDOM_OPS, Side, Target, build_side, check_values, common_suffix_start, flatten_rows,
                                    find_target, op_short, _value_key)
 from divtrace.settings import APPLICABLE, numerics_settings
 from divtrace.trace.reader import Trace
@@ -84,6 +86,7 @@ class _Inputs:
     """The union of both sides' leaf inputs, one name per distinct recorded value (dtype, shape, bytes)."""
 
     def __init__(self, sides: dict[str, Side]):
+        self.sides = sides
         self.by_key: dict = {}
         self.order: list = []
         taken: set = set()
@@ -156,6 +159,7 @@ def _custom_imports(ops: list[str], metas: list[dict], imports: list[str]) -> tu
             known = meta.get("custom_ops")
             if isinstance(known, dict) and isinstance(known.get(op), str):
                 mod = known[op]
+            mod = mod or custom_op_module(meta, op)  # an engine's kernels (vLLM's _C ops)
         opdef = getattr(custom_ops, "OPDEFS", {}).get(f"{ns}::{name}")
         fn = getattr(opdef, "_init_fn", None)
         if mod is None and fn is not None and getattr(fn, "__module__", "__main__") != "__main__":
@@ -263,6 +267,11 @@ def write_repro(a, b, out, *, at: int | None = None, path_map: PathMap | None = 
             target.warnings.append(
                 f"the diverging call's output differs only because an earlier tensor does: reproduced at that tensor "
                 f"({target.tensor}); the common computation after it ({full[0] - len(sides['a'].ops)} ops) is left out")
+    if target.row_index is not None:  # an engine side that only replays up to its parting op (repro/narrow.py)
+        cut = narrow_to_parting_op(target, sides)
+        if cut is not None:
+            target, sides = cut
+    flatten_rows(sides)
     check_values(target, sides["a"], sides["b"])
     out = Path(out)
     created = not out.exists()
@@ -373,7 +382,8 @@ class _Script:
         found, missing = _custom_imports(customs, [t.meta for t in self.traces.values()], self.imports)
         src = codegen.render(device=self.device, origin=self.origin, input_names=self.names, specs=self.specs,
                              batch=self.batch, settings=self.settings, side_codes=codes, custom_imports=found,
-                             counts=self.counts, token_ties=getattr(self, "ties", None))
+                             counts=self.counts, token_ties=getattr(self, "ties", None),
+                             keep_recorded=getattr(self, "keep", None))
         return src, codes, found, missing
 
 
@@ -397,6 +407,8 @@ def _save_tensors(out: Path, traces: dict, target: Target, inp: _Inputs) -> tupl
         from divtrace.repro.codegen import select_row
 
         outputs = {s: select_row(x, target.row_index[s]) for s, x in outputs.items()}
+        if inp.sides["a"].flat_row:  # (rows of another shape on each side are compared flat)
+            outputs = {s: x.reshape(-1) for s, x in outputs.items()}
     outputs = {s: x.contiguous() for s, x in outputs.items()}
     save_file(outputs, str(out / "expected.safetensors"))
     return specs, outputs
@@ -436,6 +448,9 @@ def _write(out: Path, ta: Trace, tb: Trace, target: Target, sides: dict[str, Sid
     specs, outputs = _save_tensors(out, {"a": ta, "b": tb}, target, inp)
     sc = _Script(ta, tb, target, sides, inp, specs, imports)
     sc.ties = _token_ties(target, sides, inp)
+    if target.keep_untied:  # (repro/narrow.py) untied activations: the sides' different forms of one quantity
+        tied = {n for t in sc.ties for n in (t[0], t[2])}
+        sc.keep = [k for k in sc.names if specs[k]["role"] == "activation" and k not in tied]
     path = out / "repro.py"
     notes: list[str] = []
     sc.mark_batch("exact")
@@ -500,6 +515,7 @@ def _write(out: Path, ta: Trace, tb: Trace, target: Target, sides: dict[str, Sid
         "seq": seq,
         "token_rows": target.row_index,
         "token_ties": getattr(sc, "ties", []),
+        "keep_recorded": getattr(sc, "keep", []),
         "warnings": target.warnings,
     }
     (out / "manifest.json").write_text(json.dumps(_finite(manifest), indent=2))
