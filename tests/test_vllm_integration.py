@@ -299,9 +299,10 @@ def bisect_json(a, b, *extra):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_vllm_vs_hf_first_divergence_matches_hook_oracle(model_dir, tmp_path, dtype):
     rollout_dir, train_dir = tmp_path / "rollout", tmp_path / "train"
-    responses, _, vl, steps = rollout(model_dir, DTYPES[dtype], rollout_dir)
+    # full mode: the repro at the end needs the tensors (bisect compares the same fingerprints either way)
+    responses, _, vl, steps = rollout(model_dir, DTYPES[dtype], rollout_dir, mode="full")
     sequences = [p + r for p, r in zip(PROMPTS, responses)]
-    hf, grids = recompute(model_dir, DTYPES[dtype], sequences, train_dir)
+    hf, grids = recompute(model_dir, DTYPES[dtype], sequences, train_dir, mode="full")
     vl_tokens = token_of_vllm_rows(steps, sequences)
     point, differ = oracle(hf, vl, vl_tokens, grids)
     assert point is not None, "the oracle saw no difference: the test needs a pair that differs"
@@ -322,8 +323,26 @@ def test_vllm_vs_hf_first_divergence_matches_hook_oracle(model_dir, tmp_path, dt
     owner = [i for i, seq in enumerate(sequences) if seq[:len(first_ids)] == first_ids]
     assert len(owner) == 1 and (owner[0], tok["position"]) in differ, (tok, differ)
     assert tok["position"] == min(p for _, p in differ), (tok, differ)
+    # vLLM's positions are a model input HF's attention never takes, but HF's root call holds them: no
+    # "differing outside input" there (regression: it was said of input 0 of _C.rotary_embedding)
+    assert "input 0 of" not in str(first.get("outside_input")), first.get("outside_input")
     # every sequence position the oracle saw differ there is one bisect counts among the differing tokens
     assert d["tokens"]["differing"] >= len(differ), (d["tokens"], len(differ))
+
+    # repro: vLLM's attention and oneDNN matmuls replay only inside the engine, so the repro is cut at vLLM's
+    # parting op (repro/narrow.py), and the script fails standalone, in a fresh interpreter without divtrace
+    out = tmp_path / "repro"
+    r = subprocess.run([sys.executable, "-m", "divtrace", "repro", str(train_dir), str(rollout_dir), "--map",
+                        "vllm-hf", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "PASSED" in r.stdout, r.stdout + r.stderr
+    m = json.loads((out / "manifest.json").read_text())
+    from divtrace.trace.reader import Trace
+
+    ops_b = [Trace(rollout_dir).records[i].op for i in m["ops"]["b"]["records"]]
+    assert first["op_b"] in ops_b and not set(ops_b) & set(meta["engine"]["unreplayable_ops"]), ops_b
+    p = subprocess.run([sys.executable, "-I", str(out / "repro.py")], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=300)
+    assert p.returncode == 1 and "FAILED: side_a and side_b differ" in p.stdout, p.stdout + p.stderr
 
 
 def test_vllm_vs_vllm_control_is_identical(model_dir, tmp_path):

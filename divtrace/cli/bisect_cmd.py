@@ -9,6 +9,14 @@ import typer
 from divtrace.cli.output import Output
 
 
+def _ops_text(x: dict) -> str:
+    """Each side's parting op, or the one both ran ("a: aten.mul.Tensor / b: _C.rotary_embedding.default")."""
+    a, b = x.get("op"), x.get("op_b")
+    if a and b and a != b:
+        return f"a: {a} / b: {b}"
+    return a or b or "-"
+
+
 def _token_text(t: dict) -> str:
     seq = t["seq"]
     return (f"position {t['position']} (id {t['id']}) of sequence {seq['id']} (first ids "
@@ -31,8 +39,7 @@ def render_token_parts(o: Output, d: dict) -> None:
     if len(d["origins"]) > 1:
         o.table("independent origins (inputs equal for the token, output differs), in forward order",
                 ["module", "call", "op", "cause", "tokens"],
-                [[x["module"] or "<root>", x["call"], x["op"] or x["op_b"] or "-", x["cause"], x["tokens"]]
-                 for x in d["origins"]])
+                [[x["module"] or "<root>", x["call"], _ops_text(x), x["cause"], x["tokens"]] for x in d["origins"]])
     fin = d.get("final")
     if fin:
         rows = [["tokens compared / differing", f"{fin['tokens_compared']} / {fin['tokens_differing']}"]]

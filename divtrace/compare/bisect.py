@@ -320,6 +320,12 @@ class _Walker:
 
     # -- own code -----------------------------------------------------------------------------------------
     @staticmethod
+    def _root_of(t: Trace, call: ModuleCall) -> ModuleCall:
+        while call.parent is not None and call.parent in t.calls:
+            call = t.calls[call.parent]
+        return call
+
+    @staticmethod
     def _span_hashes(t: Trace, call: ModuleCall) -> set:
         """(dtype, shape, hash) of every value the records of `call`'s span (its enter to its exit) mention."""
         end = call.exit_index if call.exit_index is not None else len(t.rcall) - 1
@@ -396,8 +402,13 @@ class _Walker:
         reg_b = self.region(self.b, cb, vb, span_a)
         d.region_a = [(i, self.a.rop[i]) for i in reg_a]
         d.region_b = [(i, self.b.rop[i]) for i in reg_b]
-        d.outside_input = (self._outside_input(self.a, ca, reg_a, span_b, "a", "b")
-                           or self._outside_input(self.b, cb, reg_b, span_a, "b", "a"))
+        # An input no op made (a parameter, a model input such as vLLM's positions) differs only if the other
+        # side holds no equal value anywhere in its root call: HF's self_attn never sees the position ids its
+        # model turned into cos/sin before, yet they are equal.
+        root_b = functools.cache(lambda: self._span_hashes(self.b, self._root_of(self.b, cb)))
+        root_a = functools.cache(lambda: self._span_hashes(self.a, self._root_of(self.a, ca)))
+        d.outside_input = (self._outside_input(self.a, ca, reg_a, root_b, "a", "b")
+                           or self._outside_input(self.b, cb, reg_b, root_a, "b", "a"))
         part_a = self._parting(self.a, reg_a, ca.ops)
         part_b = self._parting(self.b, reg_b, cb.ops)
         if part_a is None and part_b is None:
@@ -418,7 +429,7 @@ class _Walker:
     @staticmethod
     def _outside_input(t: Trace, call: ModuleCall, region: list[int], other_span, side: str, other: str):
         """The first input of `region` that no recorded op made and that is not among the other side's values
-        (of its call's span), said in words; None when there is none."""
+        (of its root call's span), said in words; None when there is none."""
         call_inputs = {v for _, v in call.inputs}
         for i in region:
             for pos, vid in enumerate(t.rin[i]):
