@@ -48,13 +48,14 @@ def save_model(path: Path) -> None:
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
-def rollout(model: Path, out: Path, dtype: str, mode: str, max_tokens: int) -> None:
+def rollout(model: Path, out: Path, dtype: str, mode: str, max_tokens: int, custom_ops: list[str]) -> None:
     """The engine side: vLLM, in-process and eager, recorded."""
     import divtrace
     from vllm import LLM, SamplingParams
 
+    extra = {"compilation_config": {"custom_ops": custom_ops}} if custom_ops else {}
     llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype=DTYPES[dtype],
-              max_model_len=256, enable_prefix_caching=False, seed=0)
+              max_model_len=256, enable_prefix_caching=False, seed=0, **extra)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, detokenize=False)
     with divtrace.record(llm, out / "rollout", mode=mode, label=f"vllm-{dtype}", overwrite=True):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -100,11 +101,15 @@ def main() -> int:
     ap.add_argument("--mode", choices=("full", "hash"), default="full")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--vllm-custom-ops", default="", metavar="LIST",
+                    help="vLLM's compilation_config custom_ops, comma-separated: '-rotary_embedding' runs vLLM's "
+                         "native torch RoPE instead of its _C kernel (the fix bisect points at)")
     ap.add_argument("--side", choices=("rollout", "train"), help=argparse.SUPPRESS)  # the child processes
     args = ap.parse_args()
     out, model = args.out, args.out / "model"
     if args.side == "rollout":
-        rollout(model, out, args.dtype, args.mode, args.max_tokens)
+        rollout(model, out, args.dtype, args.mode, args.max_tokens,
+                [x for x in args.vllm_custom_ops.split(",") if x])
         return 0
     if args.side == "train":
         train(model, out, args.dtype, args.mode, args.micro_batch)
@@ -112,7 +117,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     save_model(model)
     common = [str(out), "--dtype", args.dtype, "--mode", args.mode, "--max-tokens", str(args.max_tokens),
-              "--micro-batch", str(args.micro_batch)]
+              "--micro-batch", str(args.micro_batch), f"--vllm-custom-ops={args.vllm_custom_ops}"]
     for side in ("rollout", "train"):
         print(f"== {side}: recording into {out / side}", flush=True)
         subprocess.run([sys.executable, __file__, *common, "--side", side], check=True, env={**os.environ, **ENV})

@@ -212,8 +212,8 @@ def oracle(hf, vl, vl_tokens, hf_batches):
 
 
 # -- the two runs -------------------------------------------------------------------------------------------
-def rollout(model_dir, dtype, trace=None, mode="hash"):
-    llm = make_llm(model_dir, dtype)
+def rollout(model_dir, dtype, trace=None, mode="hash", **llm_kw):
+    llm = make_llm(model_dir, dtype, **llm_kw)
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     vl, handles = vllm_capture(model)
     steps, h = vllm_rows(model)
@@ -399,3 +399,17 @@ def test_map_naming_modules_the_traces_lack_is_bad_input(model_dir, tmp_path):
     r = subprocess.run([sys.executable, "-m", "divtrace", "bisect", str(tmp_path / "a"), str(tmp_path / "b"),
                         "--map", "vllm-hf"], capture_output=True, text=True)
     assert r.returncode == 2 and "matches no module" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_rope_fix_moves_the_first_divergence_to_attention(model_dir, tmp_path):
+    """The fix bisect points at: vLLM's native torch RoPE (custom op off) computes HF's arithmetic, so RoPE rows
+    agree and the runs now first part at the attention kernel, whose inputs are then equal for the token."""
+    rollout_dir, train_dir = tmp_path / "rollout", tmp_path / "train"
+    responses, *_ = rollout(model_dir, "float32", rollout_dir, compilation_config={"custom_ops": ["-rotary_embedding"]})
+    recompute(model_dir, "float32", [p + r for p, r in zip(PROMPTS, responses)], train_dir)
+    code, d, _ = bisect_json(train_dir, rollout_dir, "--map", "vllm-hf")
+    assert code == 1 and d["alignment"] == "tokens", d.get("reason")
+    first = d["first"]
+    assert first["module"] == "model.layers.0.self_attn" and first["cause"] == "origin", first
+    assert first["op_b"] == "vllm.unified_attention_with_output.default", first
+    assert "_C.rotary_embedding.default" not in {o.get("op_b") for o in d["origins"]}, d["origins"]

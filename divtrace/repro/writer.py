@@ -182,6 +182,12 @@ def _custom_imports(ops: list[str], metas: list[dict], imports: list[str]) -> tu
 def _explain(letter: str, side: Side, fid: dict, unreplayable: list[str], missing_custom: list[str]) -> list[str]:
     t = side.trace
     why = [f"side {letter} ({t.path}) does not reproduce its recorded output: {fid.get('error')}"]
+    engine = t.meta.get("engine") if isinstance(t.meta.get("engine"), dict) else {}
+    known = engine.get("unreplayable_ops") if isinstance(engine.get("unreplayable_ops"), dict) else {}
+    held = sorted({t.records[i].op for i in side.ops} & set(known))
+    why += [f"{op} replays only inside the engine that recorded it ({engine.get('name')}: {known[op]}); no script "
+            "outside the engine can run it" for op in held]
+    missing_custom = [op for op in missing_custom if op not in known]
     rnd = sorted({op_short(t.records[i].op) for i in side.ops} & RANDOM_OPS)
     if rnd:
         why.append(f"its region holds random ops ({', '.join(rnd)}): their RNG state is not recorded")
