@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from divtrace.repro.region import Side, Target, build_side, cone_keys, token_row_index
+from divtrace.repro.region import Side, Target, build_side, cone_keys, parting_record, token_row_index
 
 NEAR = 0.1  # the counterpart's largest |difference| must be within this fraction of the row's largest magnitude
 
@@ -33,17 +33,6 @@ def _unreplayable(*traces) -> dict[str, str]:
         if isinstance(known, dict):
             ops.update((k, str(v)) for k, v in known.items() if isinstance(k, str))
     return ops
-
-
-def _parting_record(side: Side) -> int | None:
-    from divtrace.compare.bisect import constant_derived, is_computing
-
-    memo: dict = {}
-    for i in side.ops:
-        rec = side.trace.records[i]
-        if not constant_derived(side.trace, i, memo) and is_computing(rec, side.trace):
-            return i
-    return None
 
 
 def narrow_to_parting_op(target: Target, sides: dict[str, Side]) -> tuple[Target, dict[str, Side]] | None:
@@ -74,7 +63,7 @@ def narrow_to_parting_op(target: Target, sides: dict[str, Side]) -> tuple[Target
     view_s, view_o = target.views[s], target.views[o]
     key_s, key_o = view_s.vkey.__getitem__, view_o.vkey.__getitem__
     orig = {"a": target.va, "b": target.vb}
-    part = _parting_record(side)
+    part = parting_record(side)
     if part is None:
         return give_up("no op computes there")
     prec = ts.records[part]

@@ -439,3 +439,14 @@ def flatten_rows(sides: dict[str, Side]) -> None:
     sa, sb = row_shape(sides["a"]), row_shape(sides["b"])
     if sa is not None and sb is not None and sa != sb:
         sides["a"].flat_row = sides["b"].flat_row = True
+
+
+def parting_record(side: Side) -> int | None:
+    """The side's first op that computes (not a view, copy or constant): where its region parts from the other's."""
+    from divtrace.compare.bisect import is_computing
+
+    memo: dict = {}
+    for i in side.ops:
+        if not constant_derived(side.trace, i, memo) and is_computing(side.trace.records[i], side.trace):
+            return i
+    return None

@@ -22,8 +22,8 @@ from divtrace.errors import DivtraceError
 from divtrace.oserrors import cannot_write, is_write_error
 from divtrace.repro import codegen, seqlen
 from divtrace.repro.narrow import narrow_to_parting_op
-from divtrace.repro.region import (RANDOM_OPS, Side, Target, build_side, check_values, common_suffix_start, flatten_rows,
-                                   find_target, op_short, _value_key)
+from divtrace.repro.region import (RANDOM_OPS, Side, Target, build_side, check_values, common_suffix_start,
+                                   find_target, flatten_rows, op_short, parting_record, _value_key)
 from divtrace.settings import APPLICABLE, numerics_settings
 from divtrace.trace.reader import Trace
 
@@ -334,13 +334,9 @@ def _sides(ta: Trace, tb: Trace, target: Target) -> dict[str, Side]:
 
 
 def _parting(side: Side) -> str | None:
-    from divtrace.compare.bisect import constant_derived, is_computing
-
-    memo: dict = {}
-    for i in side.ops:
-        rec = side.trace.records[i]
-        if not constant_derived(side.trace, i, memo) and is_computing(rec, side.trace):
-            return rec.op
+    i = parting_record(side)
+    if i is not None:
+        return side.trace.records[i].op
     return side.trace.records[side.ops[0]].op if side.ops else None
 
 
