@@ -28,13 +28,24 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
 
 
-UNREPLAYABLE = {"divtrace_fake_engine.attention.default": "reads the engine's KV cache (a test stand-in)"}
+@torch.library.custom_op("divtrace_fake_engine::attention_fp64", mutates_args=())
+def attention_fp64(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    out = torch.nn.functional.scaled_dot_product_attention(query.double(), key.double(), value.double(),
+                                                           is_causal=True, scale=scale)
+    return out.to(query.dtype)  # one rounding at the end: another attention kernel
+
+
+UNREPLAYABLE = {"divtrace_fake_engine.attention.default": "reads the engine's KV cache (a test stand-in)",
+                "divtrace_fake_engine.attention_fp64.default": "reads the engine's KV cache (a test stand-in)"}
 
 
 def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = torch.ops.divtrace_fake_engine.attention(query, key, value, scale)
+    out = _ATTENTION[0](query, key, value, scale)
     return out.transpose(1, 2).contiguous(), None
+
+
+_ATTENTION = [torch.ops.divtrace_fake_engine.attention]
 
 
 def _apply_rotary(q, k, cos, sin, *args, **kwargs):
@@ -43,8 +54,9 @@ def _apply_rotary(q, k, cos, sin, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def engine_side(model):
-    """The model runs this engine's RoPE and attention kernels inside the block (unpadded sequences only)."""
+def engine_side(model, rope: bool = True, attention: str = "attention"):
+    """The model runs this engine's attention kernel (`attention`: "attention", or "attention_fp64", which rounds
+    otherwise) and, with `rope`, its RoPE kernel, inside the block (unpadded sequences only)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.models.llama import modeling_llama
@@ -53,13 +65,15 @@ def engine_side(model):
     ALL_MASK_ATTENTION_FUNCTIONS.register("divtrace_fake_engine", sdpa_mask)
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
     before = {k: c._attn_implementation for k, c in configs.items()}
-    rope = modeling_llama.apply_rotary_pos_emb
+    hf_rope = modeling_llama.apply_rotary_pos_emb
     for c in configs.values():
         c._attn_implementation = "divtrace_fake_engine"
-    modeling_llama.apply_rotary_pos_emb = _apply_rotary
+    _ATTENTION[0] = getattr(torch.ops.divtrace_fake_engine, attention)
+    if rope:
+        modeling_llama.apply_rotary_pos_emb = _apply_rotary
     try:
         yield model
     finally:
-        modeling_llama.apply_rotary_pos_emb = rope
+        modeling_llama.apply_rotary_pos_emb = hf_rope
         for k, c in configs.items():
             c._attn_implementation = before[k]

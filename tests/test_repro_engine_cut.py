@@ -25,9 +25,10 @@ ROTARY = "divtrace_fake_engine.rotary_.default"
 ATTENTION = "divtrace_fake_engine.attention.default"
 
 
-def _engine(model, path, seqs, unreplayable=True):
+def _engine(model, path, seqs, unreplayable=True, **kernels):
     meta = {"engine": {"name": "fake-engine", "unreplayable_ops": UNREPLAYABLE if unreplayable else {}}}
-    with engine_side(model), torch.no_grad(), divtrace.record(model, path, label="engine", extra_meta=meta):
+    with engine_side(model, **kernels), torch.no_grad(), \
+            divtrace.record(model, path, label="engine", extra_meta=meta):
         for s in seqs:
             model(input_ids=torch.tensor([s]))
 
@@ -40,6 +41,7 @@ def runs(tmp_path_factory):
     trainer(model, d / "train", seqs, micro_batch=2)
     _engine(model, d / "engine", seqs)
     _engine(model, d / "engine_replayable", seqs, unreplayable=False)
+    _engine(model, d / "engine_attention", seqs, rope=False, attention="attention_fp64")
     return d
 
 
@@ -91,3 +93,18 @@ def test_no_cut_where_the_engine_region_replays(runs, tmp_path):
     assert r.ok, r.explanation
     assert not any("cut at the output" in w for w in r.manifest["warnings"])
     assert not r.manifest["keep_recorded"]
+
+
+def test_no_cut_where_the_divergence_starts_at_an_engine_only_kernel(runs, tmp_path):
+    """HF's RoPE on both sides, another attention kernel on the engine's: the runs part at that kernel itself, so
+    there is nothing to cut before it; the repro says the kernel replays only inside the engine."""
+    att = "divtrace_fake_engine.attention_fp64.default"
+    r = divtrace.bisect(runs / "train", runs / "engine_attention")
+    assert r.first.module == "model.layers.0.self_attn" and r.first.op_b == att
+    rep = write_repro(runs / "train", runs / "engine_attention", tmp_path / "r")
+    assert any(f"the divergence starts at {att} itself (reads the engine's KV cache" in w
+               for w in rep.manifest["warnings"]), rep.manifest["warnings"]
+    assert not rep.manifest["keep_recorded"]
+    p = subprocess.run([sys.executable, "-m", "divtrace", "repro", str(runs / "train"), str(runs / "engine_attention"),
+                        "--out", str(tmp_path / "cli")], capture_output=True, text=True, timeout=300)
+    assert f"custom op {att}: replays only inside the engine that recorded it" in " ".join(p.stdout.split()), p.stdout

@@ -73,8 +73,10 @@ def repro(
         o.line("each side runs under its own recorded settings; they differ in: "
                + ", ".join(f"{k} ({m['settings']['a'].get(k)} vs {m['settings']['b'].get(k)})" for k in diff))
     for c in m["custom_ops"]:
-        o.line(f"custom op {c['op']}: " + (f"the script imports {c['module']} to define it" if c["module"] else
-                                           "NOT aten and its module is unknown (pass --import MODULE)"))
+        o.line(f"custom op {c['op']}: " + (
+            f"the script imports {c['module']} to define it" if c["module"] else
+            f"replays only inside the engine that recorded it ({c['engine_only']})" if c.get("engine_only") else
+            "NOT aten and its module is unknown (pass --import MODULE)"))
     for n in r.notes:
         o.line(f"note: {n}")
     if r.ok:

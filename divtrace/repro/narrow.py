@@ -25,7 +25,8 @@ from divtrace.repro.region import Side, Target, build_side, cone_keys, parting_r
 NEAR = 0.1  # the counterpart's largest |difference| must be within this fraction of the row's largest magnitude
 
 
-def _unreplayable(*traces) -> dict[str, str]:
+def engine_only_ops(*traces) -> dict[str, str]:
+    """op -> why it replays only inside the engine that recorded it (meta.json engine.unreplayable_ops)."""
     ops: dict[str, str] = {}
     for t in traces:
         engine = t.meta.get("engine")
@@ -42,7 +43,7 @@ def narrow_to_parting_op(target: Target, sides: dict[str, Side]) -> tuple[Target
 
     if target.views is None:
         return None
-    unrep = _unreplayable(sides["a"].trace, sides["b"].trace)
+    unrep = engine_only_ops(sides["a"].trace, sides["b"].trace)
     blocked = {s: sorted({sides[s].trace.records[i].op for i in sides[s].ops} & set(unrep)) for s in ("a", "b")}
     engine = [s for s in ("a", "b") if blocked[s]]
     if not engine:

@@ -21,7 +21,7 @@ from divtrace.engines import custom_op_module
 from divtrace.errors import DivtraceError
 from divtrace.oserrors import cannot_write, is_write_error
 from divtrace.repro import codegen, seqlen
-from divtrace.repro.narrow import narrow_to_parting_op
+from divtrace.repro.narrow import engine_only_ops, narrow_to_parting_op
 from divtrace.repro.region import (RANDOM_OPS, Side, Target, build_side, check_values, common_suffix_start,
                                    find_target, flatten_rows, op_short, parting_record, _value_key)
 from divtrace.settings import APPLICABLE, numerics_settings
@@ -182,11 +182,10 @@ def _custom_imports(ops: list[str], metas: list[dict], imports: list[str]) -> tu
 def _explain(letter: str, side: Side, fid: dict, unreplayable: list[str], missing_custom: list[str]) -> list[str]:
     t = side.trace
     why = [f"side {letter} ({t.path}) does not reproduce its recorded output: {fid.get('error')}"]
-    engine = t.meta.get("engine") if isinstance(t.meta.get("engine"), dict) else {}
-    known = engine.get("unreplayable_ops") if isinstance(engine.get("unreplayable_ops"), dict) else {}
+    known = engine_only_ops(t)
     held = sorted({t.records[i].op for i in side.ops} & set(known))
-    why += [f"{op} replays only inside the engine that recorded it ({engine.get('name')}: {known[op]}); no script "
-            "outside the engine can run it" for op in held]
+    why += [f"{op} replays only inside the engine that recorded it ({known[op]}); no script outside the engine "
+            "can run it" for op in held]
     missing_custom = [op for op in missing_custom if op not in known]
     rnd = sorted({op_short(t.records[i].op) for i in side.ops} & RANDOM_OPS)
     if rnd:
@@ -499,6 +498,7 @@ def _write(out: Path, ta: Trace, tb: Trace, target: Target, sides: dict[str, Sid
     for s in ("a", "b"):
         if not fid[s]["ok"]:
             explanation += _explain(s, sides[s], fid[s], codes[s].unreplayable, missing)
+    engine_only = engine_only_ops(ta, tb)
     manifest = {
         "format": "divtrace-repro", "version": 1,
         "inputs": [{"name": k, **specs[k]} for k in sc.names],
@@ -507,8 +507,9 @@ def _write(out: Path, ta: Trace, tb: Trace, target: Target, sides: dict[str, Sid
         "ops": {s: {"before": sides[s].before, "after": len(sides[s].ops), "records": sides[s].ops}
                 for s in ("a", "b")},
         "settings": sc.settings,
-        "custom_ops": [{"op": op, "module": mod} for op, mod, _ in found] + [{"op": op, "module": None}
-                                                                             for op in missing],
+        "custom_ops": [{"op": op, "module": mod} for op, mod, _ in found] + [
+            {"op": op, "module": None, **({"engine_only": engine_only[op]} if op in engine_only else {})}
+            for op in missing],
         "fidelity": {s: fid[s]["ok"] for s in ("a", "b")},
         "fidelity_errors": {s: fid[s]["error"] for s in ("a", "b") if not fid[s]["ok"]},
         "batch_symbolic": symbolic,
