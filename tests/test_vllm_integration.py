@@ -413,3 +413,7 @@ def test_the_rope_fix_moves_the_first_divergence_to_attention(model_dir, tmp_pat
     assert first["module"] == "model.layers.0.self_attn" and first["cause"] == "origin", first
     assert first["op_b"] == "vllm.unified_attention_with_output.default", first
     assert "_C.rotary_embedding.default" not in {o.get("op_b") for o in d["origins"]}, d["origins"]
+    # hash traces: repro says how to re-record the engine side in full mode (from Python: an engine has no ENTRY)
+    r = subprocess.run([sys.executable, "-m", "divtrace", "repro", str(train_dir), str(rollout_dir), "--map",
+                        "vllm-hf", "--out", str(tmp_path / "repro")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "divtrace.record(llm, " in r.stderr and "ENTRY" in r.stderr, r.stderr

@@ -365,6 +365,11 @@ def check_values(target: Target, sa: Side, sb: Side) -> None:
         t = side.trace
         mods = modules_of(side)
         inc = "^(" + "|".join(re.escape(m) for m in mods) + ")$" if len(mods) > 1 else "^" + re.escape(mods[0]) + "$"
+        engine = t.meta.get("engine")
+        if isinstance(engine, dict) and engine.get("name"):  # an engine records from Python only
+            cmds.append(f"divtrace.record(llm, {str(t.path) + '-full'!r}, mode='full', include={inc!r}) around the "
+                        f"same {engine['name']} run")
+            continue
         entry = t.meta.get("entry")
         args = " ".join(f"--arg {shlex.quote(f'{k}={v}')}" for k, v in (t.meta.get("entry_args") or {}).items())
         target_s = f"{shlex.quote(entry)} {args}".strip() if entry else "ENTRY"
