@@ -43,7 +43,7 @@ from divtrace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue
 from divtrace.settings import note_grad_mode, numerics_settings, run_environment
 from divtrace.tokens import layout as token_layout
 from divtrace.tokens.identity import TokenTracker
-from divtrace.tokens.rowhash import contiguous_row_hashes, row_hashes
+from divtrace.tokens.rowhash import row_hashes, strided_row_hashes
 from divtrace.tokens.store import TokenStoreWriter
 from divtrace.trace.writer import TraceWriter
 from divtrace.views import DERIVABLE_VIEWS, REORDERING, VIEW_KEY, rebuildable, view_fingerprint
@@ -346,8 +346,7 @@ class Recorder:
             if ref is not None and token_layout.same_rows(ref[0], code, alias[1], t, g.shape):
                 self._token_store.add_rows_ref(vid, g.call_id, code, ref[1])
                 return
-        x = t.transpose(1, 2) if code == "bht" else t
-        hashes = contiguous_row_hashes(x, token_layout.row_count(code, g.shape))
+        hashes = strided_row_hashes(t, code, token_layout.row_count(code, g.shape))
         if hashes is None:
             hashes = row_hashes(token_layout.rows_2d(t, code))
         self._token_store.add_rows(vid, g.call_id, code, hashes)

@@ -58,15 +58,20 @@ class TokenStoreWriter:
         self.grids += 1
 
     def add_rows(self, vid: int, call_id: int, code: str, hashes) -> None:
-        """`hashes`: a numpy uint64 array, one per token row; None for a value whose rows cannot be compared."""
+        """`hashes`: a numpy uint64 array, one per token row, or those as little-endian bytes
+        (rowhash.strided_row_hashes); None for a value whose rows cannot be compared."""
         if hashes is None:
             self._index.append(f'[{vid},{call_id},"{code}",-1]')
             self.unrowed[code] = self.unrowed.get(code, 0) + 1
             return
         self._index.append(f'[{vid},{call_id},"{code}",{self.rows}]')
         self.current[vid] = (code, self.rows)
-        self._bin.append(hashes.astype("<u8", copy=False).tobytes())
-        self.rows += len(hashes)
+        if type(hashes) is bytes:
+            self._bin.append(hashes)
+            self.rows += len(hashes) >> 3
+        else:
+            self._bin.append(hashes.astype("<u8", copy=False).tobytes())
+            self.rows += len(hashes)
         self.values += 1
 
     def add_rows_ref(self, vid: int, call_id: int, code: str, offset: int) -> None:
