@@ -21,6 +21,8 @@ from pathlib import Path
 
 TOKENS, ROWS_INDEX, ROWS_BIN = "tokens.jsonl", "rows.jsonl", "rows.bin"
 TOKEN_FILES = (TOKENS, ROWS_INDEX, ROWS_BIN)
+# json.dumps(x, separators=(",", ":")), with the encoder made once (dumps builds one per call when given options)
+_COMPACT = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class TokenStoreWriter:
@@ -50,11 +52,10 @@ class TokenStoreWriter:
 
     def add_grid(self, grid) -> None:
         for number, first in grid.new_seqs:
-            self._tokens.append(json.dumps({"S": number, "first": first}, separators=(",", ":")))
-        self._tokens.append(json.dumps(
+            self._tokens.append(_COMPACT({"S": number, "first": first}))
+        self._tokens.append(_COMPACT(
             {"c": grid.call_id, "n": grid.root_call, "shape": grid.shape, "kv": grid.kv_len, "src": grid.source,
-             "keys": grid.keys, "pos": grid.pos, "ids": grid.ids, "fed": grid.fed, "seq": grid.seq},
-            separators=(",", ":")))
+             "keys": grid.keys, "pos": grid.pos, "ids": grid.ids, "fed": grid.fed, "seq": grid.seq}))
         self.grids += 1
 
     def add_rows(self, vid: int, call_id: int, code: str, hashes) -> None:
