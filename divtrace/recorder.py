@@ -292,6 +292,8 @@ class Recorder:
         self._grid = None  # the token grid of the root call in progress (divtrace.tokens.identity.TokenGrid)
         self._token_store: TokenStoreWriter | None = None
         self._rowed: set[int] = set()  # vids whose token rows were looked at (the current root call's)
+        self._layout_grid = None  # the grid _layouts holds the inferred layouts of: (shape, root output) -> code
+        self._layouts: dict = {}
         self._root_calls = 0  # calls of the recorded model seen (the first sets the grad-mode settings)
         self.warnings: list[str] = []
         self.writer: TraceWriter | None = None
@@ -360,7 +362,12 @@ class Recorder:
         [B, T, H, d] <-> [B, H, T, d] transpose) points at the source's fingerprints instead of hashing again."""
         g = self._grid
         self._rowed.add(vid)
-        code = token_layout.infer(t.shape, g.shape, g.kv_len, root_output)
+        if g is not self._layout_grid:  # the layout of a shape is the same all through one grid's call
+            self._layout_grid, self._layouts = g, {}
+        shape = t.shape
+        code = self._layouts.get((shape, root_output), False)
+        if code is False:
+            code = self._layouts[(shape, root_output)] = token_layout.infer(shape, g.shape, g.kv_len, root_output)
         if self._token_layouts:
             path = self._boundary_path
             if path is None:
