@@ -19,6 +19,9 @@ Defined behaviour at the edges:
   meta, quantized and nested tensors are skipped with a warning kept in meta.json.
 - Inference tensors have no version counter, so in-place writes to them are tracked from op schemas (ops=True)
   or detected by re-fingerprinting (ops=False).
+- With ops=True the dispatch mode is pushed only while a module call is open (ops between calls are never
+  recorded, and an engine runs as many of them as the model): a known inference tensor used again after such a
+  gap is re-fingerprinted, as writes to it in the gap were not counted.
 """
 from __future__ import annotations
 
