@@ -7,7 +7,7 @@ import torch
 
 from divtrace.tokens import layout, rowhash
 
-pytestmark = pytest.mark.skipif(rowhash._native_rows is None, reason="the _rows kernel is not built")
+pytestmark = pytest.mark.skipif(rowhash._rows_bytes is None, reason="the _rows kernel is not built")
 
 
 def _want(x, code, rows):
@@ -53,3 +53,8 @@ def test_a_changed_row_changes_only_its_fingerprint():
     x[1, 2, 3] += 1
     after = np.frombuffer(rowhash.strided_row_hashes(x, "bt", 10), dtype="<u8")
     assert (before != after).tolist() == [i == 7 for i in range(10)]
+
+
+def test_an_extension_built_before_row_hashes_bytes_falls_back_to_copying(monkeypatch):
+    monkeypatch.setattr(rowhash, "_rows_bytes", None)  # a _rows built from an older _rows.c
+    assert rowhash.strided_row_hashes(torch.randn(2, 5, 8), "bt", 10) is None

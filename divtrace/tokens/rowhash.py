@@ -16,6 +16,8 @@ try:
     from divtrace import _rows as _native_rows
 except ImportError:  # built without a C compiler: torch ops compute the same numbers
     _native_rows = None
+# (an extension built from an older _rows.c lacks it: the copying path then, until `setup.py build_ext` runs again)
+_rows_bytes = getattr(_native_rows, "row_hashes_bytes", None)
 
 ROW_SCHEME = "rowlane-wsum2x32"
 _CHUNK = 4096
@@ -77,7 +79,7 @@ def strided_row_hashes(x: torch.Tensor, code: str, rows: int) -> bytes | None:
     stride (a column block of a fused output, a [B, T, H, d] view of a [B, H, T, d] tensor): no copy, no torch
     op, no array. The same numbers as row_hashes(layout.rows_2d(x, code)). None where the kernel is not built or
     the rows are not laid out so (the caller copies them then)."""
-    if (_native_rows is None or not x.is_cpu or x.layout != torch.strided or x.is_conj() or x.is_neg()
+    if (_rows_bytes is None or not x.is_cpu or x.layout != torch.strided or x.is_conj() or x.is_neg()
             or rows < 0):
         return None
     shape, stride = x.shape, x.stride()
@@ -109,8 +111,7 @@ def strided_row_hashes(x: torch.Tensor, code: str, rows: int) -> bytes | None:
     if rowbytes == 0:
         return _mix(np.zeros(rows, dtype=np.uint64), 0).astype("<u8").tobytes()
     lane = 4 if rowbytes % 4 == 0 else 2 if rowbytes % 2 == 0 else 1
-    return _native_rows.row_hashes_bytes(x.data_ptr(), rows, step * es, rowbytes,
-                                         _packed_for(rowbytes // lane).data_ptr())
+    return _rows_bytes(x.data_ptr(), rows, step * es, rowbytes, _packed_for(rowbytes // lane).data_ptr())
 
 
 def row_hashes(rows: torch.Tensor) -> np.ndarray:
