@@ -57,22 +57,6 @@ def _mix(s: np.ndarray, rowbytes: int) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def contiguous_row_hashes(x: torch.Tensor, rows: int) -> np.ndarray | None:
-    """row_hashes of a contiguous CPU tensor whose bytes are `rows` equal rows, read in place (no torch op, so
-    nothing is dispatched while recording); None where the kernel is not built or cannot read `x`."""
-    if (_native_rows is None or not x.is_cpu or x.layout != torch.strided or x.is_conj() or x.is_neg()
-            or not x.is_contiguous() or rows <= 0):
-        return None
-    rowbytes = x.numel() * x.element_size() // rows
-    if rowbytes == 0:
-        return _mix(np.zeros(rows, dtype=np.uint64), 0)
-    lane = 4 if rowbytes % 4 == 0 else 2 if rowbytes % 2 == 0 else 1
-    w = _packed_for(rowbytes // lane)
-    out = np.empty(rows, dtype=np.uint64)
-    _native_rows.row_hashes(x.data_ptr(), rows, rowbytes, rowbytes, w.data_ptr(), out.ctypes.data)
-    return out
-
-
 def strided_row_hashes(x: torch.Tensor, code: str, rows: int) -> bytes | None:
     """The row fingerprints of `x`'s token rows for layout `code` (divtrace.tokens.layout), as rows.bin's bytes
     (little-endian uint64), read in place wherever each row's bytes are contiguous and the rows lie at one
