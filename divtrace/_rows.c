@@ -36,19 +36,11 @@ static void sums32(const unsigned char *p, Py_ssize_t n, const uint32_t *u, uint
     *t_out = t;
 }
 
-/* row_hashes(ptr, rows, row_stride_bytes, rowbytes, weights_ptr, out_ptr): rows at ptr + r * row_stride,
-   each rowbytes long; weights: U then V, each rowbytes / lane uint32; out receives rows uint64. */
-static PyObject *py_row_hashes(PyObject *self, PyObject *args) {
-    unsigned long long ptr, wptr, optr;
-    Py_ssize_t rows, stride, rowbytes;
-    if (!PyArg_ParseTuple(args, "KnnnKK", &ptr, &rows, &stride, &rowbytes, &wptr, &optr))
-        return NULL;
-    const uint32_t *u = (const uint32_t *)(uintptr_t)wptr; /* weights: U[0..n) then V[0..n), n = lanes */
-    uint64_t *out = (uint64_t *)(uintptr_t)optr;
+static void hash_rows(const unsigned char *base, Py_ssize_t rows, Py_ssize_t stride, Py_ssize_t rowbytes,
+                      const uint32_t *u, uint64_t *out) {
     const uint64_t tag = (uint64_t)rowbytes * 0x9E3779B97F4A7C15ULL;
-    Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < rows; r++) {
-        const unsigned char *p = (const unsigned char *)(uintptr_t)ptr + r * stride;
+        const unsigned char *p = base + r * stride;
         uint32_t s = 0, t = 0;
         if (rowbytes % 4 == 0) {
             sums32(p, rowbytes / 4, u, &s, &t);
@@ -70,14 +62,53 @@ static PyObject *py_row_hashes(PyObject *self, PyObject *args) {
         }
         out[r] = mix64((((uint64_t)s << 32) | t) ^ tag);
     }
+}
+
+/* row_hashes(ptr, rows, row_stride_bytes, rowbytes, weights_ptr, out_ptr): rows at ptr + r * row_stride,
+   each rowbytes long; weights: U then V, each rowbytes / lane uint32; out receives rows uint64. */
+static PyObject *py_row_hashes(PyObject *self, PyObject *args) {
+    unsigned long long ptr, wptr, optr;
+    Py_ssize_t rows, stride, rowbytes;
+    if (!PyArg_ParseTuple(args, "KnnnKK", &ptr, &rows, &stride, &rowbytes, &wptr, &optr))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    hash_rows((const unsigned char *)(uintptr_t)ptr, rows, stride, rowbytes, (const uint32_t *)(uintptr_t)wptr,
+              (uint64_t *)(uintptr_t)optr);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+/* row_hashes_bytes(ptr, rows, row_stride_bytes, rowbytes, weights_ptr): the same fingerprints returned as a bytes
+   object of rows little-endian uint64 (what rows.bin holds), with no array made on the Python side: the recorder
+   calls it for every value with token rows. */
+static PyObject *py_row_hashes_bytes(PyObject *self, PyObject *args) {
+    unsigned long long ptr, wptr;
+    Py_ssize_t rows, stride, rowbytes;
+    if (!PyArg_ParseTuple(args, "KnnnK", &ptr, &rows, &stride, &rowbytes, &wptr))
+        return NULL;
+    if (rows < 0)
+        return PyErr_Format(PyExc_ValueError, "rows < 0");
+    PyObject *res = PyBytes_FromStringAndSize(NULL, rows * 8);
+    if (res == NULL)
+        return NULL;
+    uint64_t *out = (uint64_t *)PyBytes_AS_STRING(res); /* (bytes data is aligned for any scalar) */
+    Py_BEGIN_ALLOW_THREADS
+    hash_rows((const unsigned char *)(uintptr_t)ptr, rows, stride, rowbytes, (const uint32_t *)(uintptr_t)wptr, out);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    for (Py_ssize_t r = 0; r < rows; r++)
+        out[r] = __builtin_bswap64(out[r]);
+#endif
+    Py_END_ALLOW_THREADS
+    return res;
 }
 
 static PyMethodDef methods[] = {
     {"row_hashes", py_row_hashes, METH_VARARGS,
      "row_hashes(ptr, rows, row_stride_bytes, rowbytes, weights_ptr, out_ptr): one uint64 per row; weights: "
      "2 x lanes uint32 (U then V)"},
+    {"row_hashes_bytes", py_row_hashes_bytes, METH_VARARGS,
+     "row_hashes_bytes(ptr, rows, row_stride_bytes, rowbytes, weights_ptr): the fingerprints as bytes, rows "
+     "little-endian uint64"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -93,6 +93,7 @@ if _native is not None and sys.byteorder != "little":
 if _native is not None:
     _native.set_weights(_WEIGHTS.inner("cpu").contiguous().data_ptr())  # the kernel keeps its own copy
 IMPLEMENTATION = "native" if _native is not None else "torch"
+_OUTER_PTR: tuple = (None, 0, 0, -1)  # (CPU outer-weight table, its data_ptr, stride(0), width) for the kernel
 _STATS_KIND = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4}  # as in _native.c
 _LANE_DTYPES = ((4, torch.int32), (2, torch.int16), (1, torch.int8))
 
@@ -202,10 +203,14 @@ def _native_pass(t: torch.Tensor, stats: bool):
     es = t.element_size()
     nbytes = n * es
     lane = 4 if nbytes % 4 == 0 else 2 if nbytes % 2 == 0 else 1
-    u = _WEIGHTS.outer_all(-(-nbytes // lane // _BLOCK))
+    blocks = -(-nbytes // lane // _BLOCK)
+    global _OUTER_PTR
+    u = _OUTER_PTR
+    if u[3] < blocks:  # (the table's address, stride and width, kept between calls: it grows rarely)
+        w = _WEIGHTS.outer_all(blocks)
+        u = _OUTER_PTR = (w, w.data_ptr(), w.stride(0), w.shape[1])
     kind = _STATS_KIND.get(t.dtype, 0) if stats else 0
-    h, st = _native.fingerprint_summary(t.data_ptr(), es, t.shape, t.stride(), u.data_ptr(), u.stride(0),
-                                        u.shape[1], kind)
+    h, st = _native.fingerprint_summary(t.data_ptr(), es, t.shape, t.stride(), u[1], u[2], u[3], kind)
     if type(st) is dict or not stats:  # the usual summary, made in C; or no stats asked (None)
         return h, st
     if st is None:

@@ -19,6 +19,9 @@ Defined behaviour at the edges:
   meta, quantized and nested tensors are skipped with a warning kept in meta.json.
 - Inference tensors have no version counter, so in-place writes to them are tracked from op schemas (ops=True)
   or detected by re-fingerprinting (ops=False).
+- With ops=True the dispatch mode is pushed only while a module call is open (ops between calls are never
+  recorded, and an engine runs as many of them as the model): a known inference tensor used again after such a
+  gap is re-fingerprinted, as writes to it in the gap were not counted.
 """
 from __future__ import annotations
 
@@ -43,15 +46,25 @@ from divtrace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue
 from divtrace.settings import note_grad_mode, numerics_settings, run_environment
 from divtrace.tokens import layout as token_layout
 from divtrace.tokens.identity import TokenTracker
-from divtrace.tokens.rowhash import contiguous_row_hashes, row_hashes
+from divtrace.tokens.rowhash import row_hashes, strided_row_hashes
 from divtrace.tokens.store import TokenStoreWriter
 from divtrace.trace.writer import TraceWriter
 from divtrace.views import DERIVABLE_VIEWS, REORDERING, VIEW_KEY, rebuildable, view_fingerprint
 
-_STATE = threading.local()  # shared by all recorders: while one does its own bookkeeping, none records
+class _State(threading.local):
+    """Per thread, shared by all recorders: while one does its own bookkeeping (busy), none records. Class-level
+    defaults, so the hot paths read `_STATE.busy` without a getattr default."""
+
+    busy = 0
+    deferred = None  # a signal held while busy
+    owners = None
+
+
+_STATE = _State()
 _ACTIVE_MODELS: set[int] = set()
 _ACTIVE: list = []  # recorders inside their `with` block, any thread
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+_STRIDED = torch.strided
 # -1 outside backward. Module calls inside backward are activation checkpointing's recompute: recorded, they
 # would shift the call numbers of every later forward against a run without checkpointing.
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -76,11 +89,11 @@ class RecordingTerminated(KeyboardInterrupt):
 
 class _Busy:
     def __enter__(self):
-        _STATE.busy = getattr(_STATE, "busy", 0) + 1
+        _STATE.busy += 1
 
     def __exit__(self, *exc):
         _STATE.busy -= 1
-        if _STATE.busy == 0 and getattr(_STATE, "deferred", None) is not None and exc[0] is None:
+        if _STATE.busy == 0 and _STATE.deferred is not None and exc[0] is None:
             pending, _STATE.deferred = _STATE.deferred, None
             raise pending
 
@@ -89,7 +102,7 @@ _BUSY = _Busy()
 
 
 def _busy() -> bool:
-    return getattr(_STATE, "busy", 0) > 0
+    return _STATE.busy > 0
 
 
 def _owners() -> list:
@@ -101,7 +114,7 @@ def _owners() -> list:
 
 def flatten_tensors(obj, prefix: str, out: list, depth: int = 0) -> list:
     """(key, tensor) pairs of a nested structure: tuples, lists, dicts, HF ModelOutput, dataclasses."""
-    if isinstance(obj, torch.Tensor):
+    if type(obj) is torch.Tensor or isinstance(obj, torch.Tensor):
         out.append((prefix, obj))
     elif depth >= _MAX_DEPTH or obj is None or isinstance(obj, (int, float, str, bool)):
         pass
@@ -146,23 +159,40 @@ def copy_value(v: TensorValue, **changes) -> TensorValue:
                        changes.get("derived", v.derived))
 
 
-def _forget(d: dict, key: int, ref) -> None:
+def _forget(d: dict, ref) -> None:
     """A tensor of the table died (its id may be reused by another). Runs as a weakref callback, wherever the
     last reference dropped: an exception raised in it is swallowed ("Exception ignored in"), so the signal
     handlers hold a signal that arrives while it runs (see Recorder._install_signals)."""
+    key = ref.key
     cur = d.get(key)
     if cur is not None and cur[0] is ref:
         del d[key]
+
+
+class _KeyedRef(weakref.ref):
+    """A weak reference that carries its table key, so one callback per table serves every entry (no
+    functools.partial per tensor)."""
+
+    __slots__ = ("key",)
+
+    def __new__(cls, t, callback, key):
+        self = super().__new__(cls, t, callback)
+        self.key = key
+        return self
+
+    def __init__(self, t, callback, key):
+        super().__init__(t, callback)
 
 
 class TensorTable:
     """tensor -> entry by identity, without keeping tensors alive. Does what WeakTensorKeyDictionary does at a
     fifteenth of the cost per lookup (it builds a weak reference object for every lookup)."""
 
-    __slots__ = ("_d",)
+    __slots__ = ("_d", "_cb")
 
     def __init__(self) -> None:
         self._d: dict[int, tuple] = {}
+        self._cb = functools.partial(_forget, self._d)
 
     def get(self, t):
         e = self._d.get(id(t))
@@ -177,7 +207,7 @@ class TensorTable:
             d[key] = (old[0], entry)
             return
 
-        d[key] = (weakref.ref(t, functools.partial(_forget, d, key)), entry)
+        d[key] = (_KeyedRef(t, self._cb, key), entry)
 
 
 _MUTATED: dict = {}  # op overload -> [(position, name)] of the arguments it writes to
@@ -275,6 +305,9 @@ class Recorder:
         self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (inference tensors)
         self._bumped: set | None = None  # ids of the arguments the running custom op writes (see on_op)
         self._mode_obj = None
+        self._mode_on = False  # the dispatch mode is pushed (only while a module call is open: see _push)
+        self._mode_thread = None
+        self._epoch = 0  # gaps between module calls so far, in which the mode was not there to count writes
         self._my_handlers: dict = {}
         self._tokens_on = bool(tokens)
         self._token_layouts = token_layout.compile_overrides(token_layouts)
@@ -284,6 +317,8 @@ class Recorder:
         self._grid = None  # the token grid of the root call in progress (divtrace.tokens.identity.TokenGrid)
         self._token_store: TokenStoreWriter | None = None
         self._rowed: set[int] = set()  # vids whose token rows were looked at (the current root call's)
+        self._layout_grid = None  # the grid _layouts holds the inferred layouts of: (shape, root output) -> code
+        self._layouts: dict = {}
         self._root_calls = 0  # calls of the recorded model seen (the first sets the grad-mode settings)
         self.warnings: list[str] = []
         self.writer: TraceWriter | None = None
@@ -324,8 +359,8 @@ class Recorder:
             self._handles += (pre, post)
             self._hooked.append((name, m, pre.id))
         if self.ops:
-            self._mode_obj = _OpMode(self)
-            self._mode_obj.__enter__()
+            self._mode_obj = _OpMode(self)  # pushed when the first module call begins (_push)
+            self._mode_thread = threading.get_ident()
         self._session.start()
         self._install_signals()
         return self
@@ -352,7 +387,12 @@ class Recorder:
         [B, T, H, d] <-> [B, H, T, d] transpose) points at the source's fingerprints instead of hashing again."""
         g = self._grid
         self._rowed.add(vid)
-        code = token_layout.infer(t.shape, g.shape, g.kv_len, root_output)
+        if g is not self._layout_grid:  # the layout of a shape is the same all through one grid's call
+            self._layout_grid, self._layouts = g, {}
+        shape = t.shape
+        code = self._layouts.get((shape, root_output), False)
+        if code is False:
+            code = self._layouts[(shape, root_output)] = token_layout.infer(shape, g.shape, g.kv_len, root_output)
         if self._token_layouts:
             path = self._boundary_path
             if path is None:
@@ -368,8 +408,7 @@ class Recorder:
             if ref is not None and token_layout.same_rows(ref[0], code, alias[1], t, g.shape):
                 self._token_store.add_rows_ref(vid, g.call_id, code, ref[1])
                 return
-        x = t.transpose(1, 2) if code == "bht" else t
-        hashes = contiguous_row_hashes(x, token_layout.row_count(code, g.shape))
+        hashes = strided_row_hashes(t, code, token_layout.row_count(code, g.shape))
         if hashes is None:
             hashes = row_hashes(token_layout.rows_2d(t, code))
         self._token_store.add_rows(vid, g.call_id, code, hashes)
@@ -428,7 +467,8 @@ class Recorder:
 
     def __exit__(self, exc_type, exc, tb):
         try:
-            if self._mode_obj is not None:
+            if self._mode_on:
+                self._mode_on = False
                 self._mode_obj.__exit__(None, None, None)
         finally:
             self._closing_warnings()
@@ -452,7 +492,7 @@ class Recorder:
             else:
                 status, error = "error", f"{exc_type.__name__}: {exc}".splitlines()[0][:500]
             # A signal held while an exception was already on its way out is settled here, not later.
-            held, _STATE.deferred = getattr(_STATE, "deferred", None), None
+            held, _STATE.deferred = _STATE.deferred, None
             tokens = None
             try:
                 tokens = self._token_store.close() if self._token_store is not None else None
@@ -501,13 +541,15 @@ class Recorder:
         if self._bumped and id(t) in self._bumped and type(version) is int and entry is not None \
                 and entry[1] == version - 1:
             return entry[0]  # (a custom op's argument it is about to write: torch counted the write already)
-        if boundary and entry is not None and entry[1] == version and self._derived:
+        stale = entry is not None and entry[3] != self._epoch and type(version) is tuple
+        if boundary and entry is not None and entry[1] == version and not stale and self._derived:
             entry = self._real_hash(t, entry)
         fp = None
         unsettled = False
         if entry is not None:
             unsettled = bool(self._unsettled) and entry[0] in self._unsettled
-            if entry[1] == version and not (self._mode_obj is None and isinstance(version, tuple)) and not unsettled:
+            if (entry[1] == version and not stale and not (self._mode_obj is None and isinstance(version, tuple))
+                    and not unsettled):
                 return entry[0]
             # The version moved (an in-place op: torch bumps the counter only after the op has returned
             # through the dispatch mode, so its output is first read here), or it cannot be known (ops=False
@@ -517,14 +559,14 @@ class Recorder:
                 fp = fingerprint(t)
                 if (fp[0] == v.hash and dtype_name(t.dtype) == v.dtype and list(t.shape) == v.shape
                         and list(t.stride()) == v.stride):
-                    self._tensors[t] = (entry[0], version, v)
+                    self._tensors[t] = (entry[0], version, v, self._epoch)
                     return entry[0]
         v = self.writer.new_value(t, producer=None, fp=fp)
         new_values.append(v)
-        self._tensors[t] = (v.vid, version, v)
+        self._tensors[t] = (v.vid, version, v, self._epoch)
         if boundary and self._grid is not None:  # (op inputs from outside are parameters and buffers: no rows)
             self._token_rows(v.vid, t, root_output)
-        if unsettled and entry[1] == version:  # changed, and no torch op wrote it: it may be written so again
+        if unsettled and entry[1] == version and not stale:  # changed, and no torch op wrote it: it may be again
             self._unsettled.add(v.vid)
             self._skip(_RAW_WRITE)
         return v.vid
@@ -552,7 +594,8 @@ class Recorder:
             if (t.is_contiguous() and src.is_contiguous()) or (src.shape == t.shape and src.stride() == t.stride()):
                 e = self._tensors.get(src)
                 # (an alias of a derived view is derived again from its own op, or hashed: it has no bytes to share)
-                if e is not None and e[1] == self._version(src) and e[0] not in self._derived:
+                ver = self._version(src)
+                if e is not None and e[1] == ver and not self._stale(e, ver) and e[0] not in self._derived:
                     v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
                                    stride=list(t.stride()))
                     alias = (e[0], src)
@@ -566,7 +609,7 @@ class Recorder:
         if v is None:
             v = self.writer.new_value(t, producer=producer)
         new_values.append(v)
-        self._tensors[t] = (v.vid, version, v)
+        self._tensors[t] = (v.vid, version, v, self._epoch)
         if self._grid is not None:
             self._token_rows(v.vid, t, alias=alias)
         if op in _FRESH_BUFFERS:
@@ -600,7 +643,8 @@ class Recorder:
         made another way."""
         src = self._alias_source(t, inputs)
         e = self._tensors.get(src) if src is not None else None
-        if e is None or e[1] != self._version(src) or (self._unsettled and e[0] in self._unsettled):
+        ver = self._version(src) if e is not None else None
+        if e is None or e[1] != ver or self._stale(e, ver) or (self._unsettled and e[0] in self._unsettled):
             return None  # (a fresh buffer may be written behind torch's back: its views' bytes are hashed)
         if self.mode == "full" and not (rebuildable(enc_args, enc_kwargs)
                                         and e[0] in _arg_vids(enc_args, enc_kwargs)):
@@ -643,6 +687,9 @@ class Recorder:
 
     def _plain(self, t: torch.Tensor, where: str):
         """The tensor to fingerprint for `t`, or None (skipped, with a warning) when it has no plain bytes."""
+        if ((type(t) is torch.Tensor or type(t).__torch_dispatch__ is _PLAIN_DISPATCH) and t.layout is _STRIDED
+                and not (t.is_quantized or t.is_nested or t.is_meta)):
+            return t  # (the common case, in one test; the rest says what is wrong with the others)
         if type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
             local = getattr(t, "_local_tensor", None)  # DTensor keeps its shard here; to_local() may wrap it
             if not isinstance(local, torch.Tensor):
@@ -703,6 +750,10 @@ class Recorder:
         return None
 
     def _push(self, call_id, module, excluded):
+        if not self._stack and self._mode_obj is not None and not self._mode_on \
+                and threading.get_ident() == self._mode_thread:
+            self._mode_obj.__enter__()
+            self._mode_on = True
         token = (next(_SEQ), self)
         _owners().append(token)
         self._stack.append(_Frame(call_id, module, excluded, sys.exc_info()[1], token))
@@ -763,7 +814,11 @@ class Recorder:
         self.writer.append(rec, values)
 
     def _exit(self, module, output, flat=None):
-        depth = next((i for i in range(len(self._stack) - 1, -1, -1) if self._stack[i].module is module), None)
+        stack = self._stack
+        if stack and stack[-1].module is module:  # (the usual case: the innermost call ends)
+            depth = len(stack) - 1
+        else:
+            depth = next((i for i in range(len(stack) - 1, -1, -1) if stack[i].module is module), None)
         if depth is None:
             return  # its pre hook did not run (the call began before recording, or while busy)
         # Pop to this module's frame: calls that raised inside and were caught left theirs.
@@ -771,11 +826,15 @@ class Recorder:
             self._pop()
         frame = self._pop()
         if frame.call_id is None:
+            if not stack and self._mode_on:
+                self._mode_gap()
             return
         root = module is self._root and self._grid is not None
         try:
             self._exit_call(frame, output, root, flat)
         finally:
+            if not stack and self._mode_on:  # (after the outputs are recorded, with the writes counted until then)
+                self._mode_gap()
             if root:
                 self._grid = None
                 self._rowed.clear()
@@ -820,6 +879,26 @@ class Recorder:
             owners.remove(frame.token)
         return frame
 
+    def _mode_gap(self) -> None:
+        """No module call is open: the dispatch mode leaves until the next one begins. Ops between module calls
+        are never recorded, and an engine runs thousands of them (vLLM's input preparation and sampler: as many
+        as the model's own), each paying for the trip through a Python dispatch mode. In-place writes to
+        inference tensors (which have no version counter) are then not counted, so a known inference tensor is
+        checked by its bytes when it is next used (`_stale`). Left in place when another dispatch mode was
+        pushed above it, or on another thread than the one that entered the recorder."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if threading.get_ident() != self._mode_thread or _get_current_dispatch_mode() is not self._mode_obj:
+            return
+        self._mode_on = False
+        self._epoch += 1
+        self._mode_obj.__exit__(None, None, None)
+
+    def _stale(self, entry, version) -> bool:
+        """Whether `entry` (of an inference tensor: `version` a write count) was made before a gap of the mode, in
+        which writes to it were not counted."""
+        return entry[3] != self._epoch and type(version) is tuple
+
     def _take_index(self) -> int:
         i = self._index
         self._index += 1
@@ -832,15 +911,19 @@ class Recorder:
 
     def on_op(self, func, args, kwargs):
         """Run `func`, recording it when it runs inside a recorded module call."""
-        if (_busy() or not self._stack or self._stack[-1].call_id is None or self.writer.failed
+        info = _OP_INFO.get(func)
+        if info is None:
+            info = _op_info(func)
+        stack = self._stack
+        if (_STATE.busy or not stack or stack[-1].call_id is None or self.writer.failed
                 or (len(_ACTIVE) > 1 and not self._owns_innermost())):
             out = func(*args, **kwargs)
-            if not _busy():
+            if info[3] and not _STATE.busy:
                 self._note_writes(func, args, kwargs)
             return out
         # An op that writes none of its arguments leaves them as they were: its inputs are fingerprinted after it
         # ran, so a weight streams from memory once, for the op, and is hashed from cache right after.
-        after = _reads_only(func)
+        after, name, is_view, mutated = info
         if after:
             out = func(*args, **kwargs)
         with _BUSY:
@@ -860,7 +943,8 @@ class Recorder:
         self._bumped = None
         if not after:
             out = func(*args, **kwargs)
-            self._note_writes(func, args, kwargs)
+            if mutated:
+                self._note_writes(func, args, kwargs)
         if not plain:
             return out
         with _BUSY:
@@ -868,17 +952,15 @@ class Recorder:
             writes = None
             if out is None:  # returns nothing, writes its result into arguments (vLLM's _C.onednn_mm): those
                 outs, writes = [], []  # are its outputs, and `out` says which arguments hold them
-                for pos, name in _mutated_args(func):
-                    where = pos if pos < len(args) else name
-                    got = op_tensors(args[pos] if pos < len(args) else kwargs.get(name), [])
+                for pos, arg in mutated:
+                    where = pos if pos < len(args) else arg
+                    got = op_tensors(args[pos] if pos < len(args) else kwargs.get(arg), [])
                     outs += got
                     writes += [where] if len(got) == 1 else [[where, k] for k in range(len(got))]
             plain_out = [self._plain(t, func) for t in outs]
             if not outs or any(p is None for p in plain_out):
                 return out
             index = self._take_index()
-            name = _op_name(func)
-            is_view = getattr(func, "is_view", False)
             out_vids = [self._produced(p, index, plain_in, values, name, enc_args, is_view, enc_kwargs)
                         for p in plain_out]
             vid_by_id = {id(t): v for t, v in zip(outs, out_vids)}
@@ -943,6 +1025,12 @@ def encode_constant(x, recurse):
 
 
 _OP_NAMES: dict = {}
+_OP_INFO: dict = {}  # op overload -> (_reads_only, _op_name, is_view, _mutated_args): one lookup per op call
+
+
+def _op_info(func) -> tuple:
+    info = _OP_INFO[func] = (_reads_only(func), _op_name(func), getattr(func, "is_view", False), _mutated_args(func))
+    return info
 
 
 def _op_name(func) -> str:

@@ -16,6 +16,8 @@ try:
     from divtrace import _rows as _native_rows
 except ImportError:  # built without a C compiler: torch ops compute the same numbers
     _native_rows = None
+# (an extension built from an older _rows.c lacks it: the copying path then, until `setup.py build_ext` runs again)
+_rows_bytes = getattr(_native_rows, "row_hashes_bytes", None)
 
 ROW_SCHEME = "rowlane-wsum2x32"
 _CHUNK = 4096
@@ -55,20 +57,45 @@ def _mix(s: np.ndarray, rowbytes: int) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def contiguous_row_hashes(x: torch.Tensor, rows: int) -> np.ndarray | None:
-    """row_hashes of a contiguous CPU tensor whose bytes are `rows` equal rows, read in place (no torch op, so
-    nothing is dispatched while recording); None where the kernel is not built or cannot read `x`."""
-    if (_native_rows is None or not x.is_cpu or x.layout != torch.strided or x.is_conj() or x.is_neg()
-            or not x.is_contiguous() or rows <= 0):
+def strided_row_hashes(x: torch.Tensor, code: str, rows: int) -> bytes | None:
+    """The row fingerprints of `x`'s token rows for layout `code` (divtrace.tokens.layout), as rows.bin's bytes
+    (little-endian uint64), read in place wherever each row's bytes are contiguous and the rows lie at one
+    stride (a column block of a fused output, a [B, T, H, d] view of a [B, H, T, d] tensor): no copy, no torch
+    op, no array. The same numbers as row_hashes(layout.rows_2d(x, code)). None where the kernel is not built or
+    the rows are not laid out so (the caller copies them then)."""
+    if (_rows_bytes is None or not x.is_cpu or x.layout != torch.strided or x.is_conj() or x.is_neg()
+            or rows < 0):
         return None
-    rowbytes = x.numel() * x.element_size() // rows
+    shape, stride = x.shape, x.stride()
+    if code == "bht":
+        if len(shape) < 3:
+            return None
+        shape = (shape[0], shape[2], shape[1], *shape[3:])
+        stride = (stride[0], stride[2], stride[1], *stride[3:])
+    lead = 1 if code == "n" else 2
+    if len(shape) < lead:
+        return None
+    elems = 1
+    for d in range(len(shape) - 1, lead - 1, -1):  # each row's own dims: row-major without gaps
+        n = shape[d]
+        if n != 1:
+            if stride[d] != elems:
+                return None
+            elems *= n
+    if lead == 1 or shape[1] == 1:
+        step = stride[0]
+    elif shape[0] == 1 or stride[0] == stride[1] * shape[1]:
+        step = stride[1]
+    else:
+        return None
+    es = x.element_size()
+    rowbytes = elems * es
+    if rows == 0 or (rows != shape[0] * (shape[1] if lead == 2 else 1)):
+        return b"" if rows == 0 else None
     if rowbytes == 0:
-        return _mix(np.zeros(rows, dtype=np.uint64), 0)
+        return _mix(np.zeros(rows, dtype=np.uint64), 0).astype("<u8").tobytes()
     lane = 4 if rowbytes % 4 == 0 else 2 if rowbytes % 2 == 0 else 1
-    w = _packed_for(rowbytes // lane)
-    out = np.empty(rows, dtype=np.uint64)
-    _native_rows.row_hashes(x.data_ptr(), rows, rowbytes, rowbytes, w.data_ptr(), out.ctypes.data)
-    return out
+    return _rows_bytes(x.data_ptr(), rows, step * es, rowbytes, _packed_for(rowbytes // lane).data_ptr())
 
 
 def row_hashes(rows: torch.Tensor) -> np.ndarray:

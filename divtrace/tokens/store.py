@@ -21,6 +21,8 @@ from pathlib import Path
 
 TOKENS, ROWS_INDEX, ROWS_BIN = "tokens.jsonl", "rows.jsonl", "rows.bin"
 TOKEN_FILES = (TOKENS, ROWS_INDEX, ROWS_BIN)
+# json.dumps(x, separators=(",", ":")), with the encoder made once (dumps builds one per call when given options)
+_COMPACT = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class TokenStoreWriter:
@@ -50,23 +52,27 @@ class TokenStoreWriter:
 
     def add_grid(self, grid) -> None:
         for number, first in grid.new_seqs:
-            self._tokens.append(json.dumps({"S": number, "first": first}, separators=(",", ":")))
-        self._tokens.append(json.dumps(
+            self._tokens.append(_COMPACT({"S": number, "first": first}))
+        self._tokens.append(_COMPACT(
             {"c": grid.call_id, "n": grid.root_call, "shape": grid.shape, "kv": grid.kv_len, "src": grid.source,
-             "keys": grid.keys, "pos": grid.pos, "ids": grid.ids, "fed": grid.fed, "seq": grid.seq},
-            separators=(",", ":")))
+             "keys": grid.keys, "pos": grid.pos, "ids": grid.ids, "fed": grid.fed, "seq": grid.seq}))
         self.grids += 1
 
     def add_rows(self, vid: int, call_id: int, code: str, hashes) -> None:
-        """`hashes`: a numpy uint64 array, one per token row; None for a value whose rows cannot be compared."""
+        """`hashes`: a numpy uint64 array, one per token row, or those as little-endian bytes
+        (rowhash.strided_row_hashes); None for a value whose rows cannot be compared."""
         if hashes is None:
             self._index.append(f'[{vid},{call_id},"{code}",-1]')
             self.unrowed[code] = self.unrowed.get(code, 0) + 1
             return
         self._index.append(f'[{vid},{call_id},"{code}",{self.rows}]')
         self.current[vid] = (code, self.rows)
-        self._bin.append(hashes.astype("<u8", copy=False).tobytes())
-        self.rows += len(hashes)
+        if type(hashes) is bytes:
+            self._bin.append(hashes)
+            self.rows += len(hashes) >> 3
+        else:
+            self._bin.append(hashes.astype("<u8", copy=False).tobytes())
+            self.rows += len(hashes)
         self.values += 1
 
     def add_rows_ref(self, vid: int, call_id: int, code: str, offset: int) -> None:
