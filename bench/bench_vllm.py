@@ -14,7 +14,7 @@ and prints where the time goes (sorted by own time), with the trace's counts of 
     python bench/bench_vllm.py [--rounds 6] [--json out.json]                  (in the vLLM venv: docs/vllm.md)
     python bench/bench_vllm.py --hidden 1024 --intermediate 2816 --layers 4 --heads 16 --kv-heads 4
     python bench/bench_vllm.py --rounds 3 --vocab 32000 --hidden 2048 --intermediate 5632 --layers 8 --heads 16 \
-        --kv-heads 4                                                    (0.5B-class: 1.29x / 1.11x at 1 thread)
+        --kv-heads 4                                                    (0.5B-class: 1.32x / 1.12x at 1 thread)
     python bench/bench_vllm.py --profile ops
 """
 from __future__ import annotations

@@ -19,9 +19,8 @@ Defined behaviour at the edges:
   meta, quantized and nested tensors are skipped with a warning kept in meta.json.
 - Inference tensors have no version counter, so in-place writes to them are tracked from op schemas (ops=True)
   or detected by re-fingerprinting (ops=False).
-- With ops=True the dispatch mode is pushed only while a module call is open (ops between calls are never
-  recorded, and an engine runs as many of them as the model): a known inference tensor used again after such a
-  gap is re-fingerprinted, as writes to it in the gap were not counted.
+- With ops=True the dispatch mode stays pushed for the whole block, between module calls too: a mode the user
+  enters inside the block sits above it, and writes between calls are counted (tests/test_record_mode_gaps.py).
 """
 from __future__ import annotations
 
@@ -305,9 +304,6 @@ class Recorder:
         self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (inference tensors)
         self._bumped: set | None = None  # ids of the arguments the running custom op writes (see on_op)
         self._mode_obj = None
-        self._mode_on = False  # the dispatch mode is pushed (only while a module call is open: see _push)
-        self._mode_thread = None
-        self._epoch = 0  # gaps between module calls so far, in which the mode was not there to count writes
         self._my_handlers: dict = {}
         self._tokens_on = bool(tokens)
         self._token_layouts = token_layout.compile_overrides(token_layouts)
@@ -359,8 +355,11 @@ class Recorder:
             self._handles += (pre, post)
             self._hooked.append((name, m, pre.id))
         if self.ops:
-            self._mode_obj = _OpMode(self)  # pushed when the first module call begins (_push)
-            self._mode_thread = threading.get_ident()
+            # Pushed for the whole block, never popped between module calls: a dispatch mode the user enters
+            # inside the block must sit above it (it sees the model's ops first; divtrace records what then runs),
+            # and in-place writes between calls are counted (inference tensors have no version counter).
+            self._mode_obj = _OpMode(self)
+            self._mode_obj.__enter__()
         self._session.start()
         self._install_signals()
         return self
@@ -467,8 +466,7 @@ class Recorder:
 
     def __exit__(self, exc_type, exc, tb):
         try:
-            if self._mode_on:
-                self._mode_on = False
+            if self._mode_obj is not None:
                 self._mode_obj.__exit__(None, None, None)
         finally:
             self._closing_warnings()
@@ -541,14 +539,13 @@ class Recorder:
         if self._bumped and id(t) in self._bumped and type(version) is int and entry is not None \
                 and entry[1] == version - 1:
             return entry[0]  # (a custom op's argument it is about to write: torch counted the write already)
-        stale = entry is not None and entry[3] != self._epoch and type(version) is tuple
-        if boundary and entry is not None and entry[1] == version and not stale and self._derived:
+        if boundary and entry is not None and entry[1] == version and self._derived:
             entry = self._real_hash(t, entry)
         fp = None
         unsettled = False
         if entry is not None:
             unsettled = bool(self._unsettled) and entry[0] in self._unsettled
-            if (entry[1] == version and not stale and not (self._mode_obj is None and isinstance(version, tuple))
+            if (entry[1] == version and not (self._mode_obj is None and isinstance(version, tuple))
                     and not unsettled):
                 return entry[0]
             # The version moved (an in-place op: torch bumps the counter only after the op has returned
@@ -559,14 +556,14 @@ class Recorder:
                 fp = fingerprint(t)
                 if (fp[0] == v.hash and dtype_name(t.dtype) == v.dtype and list(t.shape) == v.shape
                         and list(t.stride()) == v.stride):
-                    self._tensors[t] = (entry[0], version, v, self._epoch)
+                    self._tensors[t] = (entry[0], version, v)
                     return entry[0]
         v = self.writer.new_value(t, producer=None, fp=fp)
         new_values.append(v)
-        self._tensors[t] = (v.vid, version, v, self._epoch)
+        self._tensors[t] = (v.vid, version, v)
         if boundary and self._grid is not None:  # (op inputs from outside are parameters and buffers: no rows)
             self._token_rows(v.vid, t, root_output)
-        if unsettled and entry[1] == version and not stale:  # changed, and no torch op wrote it: it may be again
+        if unsettled and entry[1] == version:  # changed, and no torch op wrote it: it may be again
             self._unsettled.add(v.vid)
             self._skip(_RAW_WRITE)
         return v.vid
@@ -595,7 +592,7 @@ class Recorder:
                 e = self._tensors.get(src)
                 # (an alias of a derived view is derived again from its own op, or hashed: it has no bytes to share)
                 ver = self._version(src)
-                if e is not None and e[1] == ver and not self._stale(e, ver) and e[0] not in self._derived:
+                if e is not None and e[1] == ver and e[0] not in self._derived:
                     v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
                                    stride=list(t.stride()))
                     alias = (e[0], src)
@@ -609,7 +606,7 @@ class Recorder:
         if v is None:
             v = self.writer.new_value(t, producer=producer)
         new_values.append(v)
-        self._tensors[t] = (v.vid, version, v, self._epoch)
+        self._tensors[t] = (v.vid, version, v)
         if self._grid is not None:
             self._token_rows(v.vid, t, alias=alias)
         if op in _FRESH_BUFFERS:
@@ -644,7 +641,7 @@ class Recorder:
         src = self._alias_source(t, inputs)
         e = self._tensors.get(src) if src is not None else None
         ver = self._version(src) if e is not None else None
-        if e is None or e[1] != ver or self._stale(e, ver) or (self._unsettled and e[0] in self._unsettled):
+        if e is None or e[1] != ver or (self._unsettled and e[0] in self._unsettled):
             return None  # (a fresh buffer may be written behind torch's back: its views' bytes are hashed)
         if self.mode == "full" and not (rebuildable(enc_args, enc_kwargs)
                                         and e[0] in _arg_vids(enc_args, enc_kwargs)):
@@ -750,10 +747,6 @@ class Recorder:
         return None
 
     def _push(self, call_id, module, excluded):
-        if not self._stack and self._mode_obj is not None and not self._mode_on \
-                and threading.get_ident() == self._mode_thread:
-            self._mode_obj.__enter__()
-            self._mode_on = True
         token = (next(_SEQ), self)
         _owners().append(token)
         self._stack.append(_Frame(call_id, module, excluded, sys.exc_info()[1], token))
@@ -826,15 +819,11 @@ class Recorder:
             self._pop()
         frame = self._pop()
         if frame.call_id is None:
-            if not stack and self._mode_on:
-                self._mode_gap()
             return
         root = module is self._root and self._grid is not None
         try:
             self._exit_call(frame, output, root, flat)
         finally:
-            if not stack and self._mode_on:  # (after the outputs are recorded, with the writes counted until then)
-                self._mode_gap()
             if root:
                 self._grid = None
                 self._rowed.clear()
@@ -878,26 +867,6 @@ class Recorder:
         elif frame.token in owners:
             owners.remove(frame.token)
         return frame
-
-    def _mode_gap(self) -> None:
-        """No module call is open: the dispatch mode leaves until the next one begins. Ops between module calls
-        are never recorded, and an engine runs thousands of them (vLLM's input preparation and sampler: as many
-        as the model's own), each paying for the trip through a Python dispatch mode. In-place writes to
-        inference tensors (which have no version counter) are then not counted, so a known inference tensor is
-        checked by its bytes when it is next used (`_stale`). Left in place when another dispatch mode was
-        pushed above it, or on another thread than the one that entered the recorder."""
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-        if threading.get_ident() != self._mode_thread or _get_current_dispatch_mode() is not self._mode_obj:
-            return
-        self._mode_on = False
-        self._epoch += 1
-        self._mode_obj.__exit__(None, None, None)
-
-    def _stale(self, entry, version) -> bool:
-        """Whether `entry` (of an inference tensor: `version` a write count) was made before a gap of the mode, in
-        which writes to it were not counted."""
-        return entry[3] != self._epoch and type(version) is tuple
 
     def _take_index(self) -> int:
         i = self._index

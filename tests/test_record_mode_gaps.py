@@ -1,11 +1,19 @@
-"""With ops=True the dispatch mode is pushed only while a module call of the recorded model is open (ops between
-calls are never recorded, and an engine runs as many of them as the model). Writes made between calls are then not
-counted, and inference tensors have no version counter of their own: a known inference tensor used again in a
-later call must be checked by its bytes, never taken for the value it was."""
+"""With ops=True the dispatch mode stays pushed for the whole record block, between module calls too.
+
+Popping it between calls (ops there are never recorded, and an engine runs as many of them as the model) was
+tried and reverted: a dispatch mode the user enters inside the block then sat *below* divtrace's, so the trace
+held the op the model called with what the user's mode returned (a patched kernel's result recorded as aten's),
+and a mode entered between calls and exited inside one popped divtrace's for the rest of the recording. These
+tests pin the behaviour: writes between calls are counted (inference tensors have no version counter), the
+user's mode sits above divtrace's, and a reused buffer written by kernels torch does not see is never taken
+for the value it was.
+"""
 from __future__ import annotations
 
+import ctypes
+
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import divtrace
 from divtrace.fingerprint import fingerprint
@@ -27,8 +35,7 @@ def test_an_inference_tensor_written_between_calls_is_a_new_value(tmp_path):
         buf = torch.ones(2, 4)  # an engine's persistent buffer: no version counter
         with divtrace.record(m, tmp_path / "t", mode="hash", ops=True):
             m(buf)
-            assert _get_current_dispatch_mode() is None  # no call open: the mode is out of the way
-            buf.mul_(2)  # between calls, unseen by the recorder
+            buf.mul_(2)  # between calls: no op is recorded there, but the write is counted
             m(buf)
             m(buf)  # unchanged since the last call: the same value again
     t = Trace(tmp_path / "t")
@@ -56,23 +63,93 @@ def test_an_op_output_written_between_calls_is_a_new_value(tmp_path):
     assert t.vkey[in1][2] == fingerprint(torch.full((3,), 4.0))[0]
 
 
-def test_the_mode_stays_below_a_mode_pushed_inside_the_block(tmp_path):
-    from torch.utils._python_dispatch import TorchDispatchMode
+class Patched(TorchDispatchMode):
+    """A user's mode that patches a kernel: aten.mul.Tensor's result, then + 1e-3."""
 
-    seen = []
+    def __init__(self):
+        super().__init__()
+        self.seen = []
 
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func))
-            return func(*args, **(kwargs or {}))
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        out = func(*args, **(kwargs or {}))
+        return out + 1e-3 if func is torch.ops.aten.mul.Tensor else out
 
+
+def test_a_mode_entered_inside_the_block_sits_above_divtraces(tmp_path):
+    """divtrace records what runs below the user's mode: the patched mul is aten.mul then aten.add, each output
+    what that op made (regression: with divtrace's mode pushed per call above it, the trace said aten.mul made
+    the patched result), and the user's mode never sees divtrace's own bookkeeping ops."""
     m = Scale()
+    with divtrace.record(m, tmp_path / "t", mode="full", ops=True):
+        mode, x = Patched(), torch.ones(3)
+        with mode:
+            m(x)
+    t = Trace(tmp_path / "t")
+    ops = [r for r in t.records if r.kind == "op"]
+    assert [r.op for r in ops] == ["aten.mul.Tensor", "aten.add.Tensor"]
+    assert torch.equal(t.tensor(ops[0].outputs[0]), t.tensor(ops[0].inputs[0]) * 3)
+    assert mode.seen == ["aten.mul.Tensor"]
+
+
+def test_a_mode_entered_between_calls_and_left_inside_one_keeps_recording(tmp_path):
+    """Regression: a mode entered between calls and exited inside a call popped divtrace's mode instead of its
+    own; nothing was recorded after it."""
+    class Exits(torch.nn.Module):
+        def forward(self, x, mode=None):
+            y = x * 3
+            if mode is not None:
+                mode.__exit__(None, None, None)
+            return y
+
+    m = Exits()
     with divtrace.record(m, tmp_path / "t", mode="hash", ops=True):
         m(torch.ones(3))
-        with Count():
-            m(torch.ones(3))  # divtrace's mode pushed above Count for this call, and popped after it
-            assert isinstance(_get_current_dispatch_mode(), Count)
-            torch.ones(2) + 1
+        mode = Patched()
+        mode.__enter__()
+        m(torch.ones(3), mode)
+        m(torch.ones(3))
+        m(torch.ones(3))
     t = Trace(tmp_path / "t")
-    assert [r.op for r in t.records if r.kind == "op"] == ["aten.mul.Tensor"] * 2
-    assert "aten.mul.Tensor" in seen and "aten.add.Tensor" in seen
+    assert [r.op for r in t.records if r.kind == "op"] == ["aten.mul.Tensor"] * 2 + ["aten.add.Tensor"] + \
+        ["aten.mul.Tensor"] * 2
+
+
+def _raw_write(t: torch.Tensor, value: float) -> None:
+    """Fill a float32 tensor without any torch op (a kernel torch does not see: a raw Triton or C write)."""
+    n = t.numel()
+    src = (ctypes.c_float * n)(*([float(value)] * n))
+    ctypes.memmove(t.data_ptr(), src, n * 4)
+
+
+class Workspace(torch.nn.Module):
+    """A buffer made once and reused by every call, filled by raw writes before each use."""
+
+    def __init__(self, delta: float):
+        super().__init__()
+        self.buf = None
+        self.delta = delta
+
+    def forward(self, x, k):
+        if self.buf is None:
+            self.buf = torch.empty(4)
+        _raw_write(self.buf, 10 * k + 1)
+        a = self.buf * x
+        _raw_write(self.buf, 10 * k + 2 + (self.delta if k == 1 else 0))
+        return a, self.buf
+
+
+def test_raw_writes_into_a_reused_buffer_never_make_differing_runs_identical(tmp_path):
+    """Two runs that differ only in what a raw write puts into the reused buffer in call 1 (the buffer is an
+    output): bisect must find the difference (regression: the value id of the buffer's earlier bytes was kept and
+    bisect said PASSED identical)."""
+    for name, delta in (("a", 0.0), ("b", 5.0)):
+        m = Workspace(delta)
+        with torch.inference_mode(), divtrace.record(m, tmp_path / name, mode="hash", ops=True):
+            for k in range(2):
+                m(torch.ones(4), k)
+    r = divtrace.bisect(tmp_path / "a", tmp_path / "b")
+    assert r.verdict == "diverged"
+    t = Trace(tmp_path / "a")
+    for c, k in zip(t.roots(), range(2)):  # every recorded fingerprint is of the bytes the call returned
+        assert t.vkey[c.outputs[1][1]][2] == fingerprint(torch.full((4,), 10.0 * k + 2))[0]

@@ -58,3 +58,12 @@ def test_a_changed_row_changes_only_its_fingerprint():
 def test_an_extension_built_before_row_hashes_bytes_falls_back_to_copying(monkeypatch):
     monkeypatch.setattr(rowhash, "_rows_bytes", None)  # a _rows built from an older _rows.c
     assert rowhash.strided_row_hashes(torch.randn(2, 5, 8), "bt", 10) is None
+
+
+def test_the_torch_path_takes_a_size_one_dim_with_any_stride(monkeypatch):
+    """Regression: the torch path (no _rows extension, any GPU tensor) raised on one row of one element whose
+    last dim has a stride other than 1; it must give the kernel's numbers."""
+    x = torch.randn(2, 4).t()[:1, :1]  # [1, 1], stride (1, 4)
+    want = rowhash.strided_row_hashes(x, "bt", 1)
+    monkeypatch.setattr(rowhash, "_native_rows", None)
+    assert rowhash.row_hashes(layout.rows_2d(x, "bt")).astype("<u8").tobytes() == want

@@ -122,7 +122,8 @@ def row_hashes(rows: torch.Tensor) -> np.ndarray:
         return out
     # A fresh flat copy: a "contiguous" tensor may carry any stride on a size-1 dim, or start at a byte offset
     # that is no multiple of the lane width, and view() refuses both.
-    flat = x.reshape(-1).clone().view(torch.uint8)
+    # (clone() keeps a size-1 dim's odd stride, which view() refuses: a fresh dense buffer has stride 1)
+    flat = torch.empty(x.numel(), dtype=x.dtype, device=x.device).copy_(x.reshape(-1)).view(torch.uint8)
     lanes = flat.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[lane]).reshape(r, rowbytes // lane).to(torch.int64)
     w = _weights_for(max(rowbytes // lane, 1))[:, : rowbytes // lane].to(lanes.device)
     if lanes.is_cpu:
