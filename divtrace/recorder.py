@@ -301,7 +301,7 @@ class Recorder:
         self._derived: set[int] = set()  # vids whose fingerprint is derived from a view's input (_derived_view)
         self._view_children: dict[int, list] = {}  # derived vid -> views derived from it: (value, op, args, kwargs)
         self._unsettled: set[int] = set()  # vids of fresh buffers (and their views): re-read when used again
-        self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (inference tensors)
+        self._writes: dict[int, int] = {}  # storage address -> in-place writes seen (with ops=True)
         self._bumped: set | None = None  # ids of the arguments the running custom op writes (see on_op)
         self._mode_obj = None
         self._my_handlers: dict = {}
@@ -524,9 +524,19 @@ class Recorder:
         # in-place writes ourselves. Asked first, since reading `_version` of one raises, at ~50 us a time.
         if not t.is_inference():
             try:
-                return t._version
+                v = t._version
             except Exception:
                 pass
+            else:
+                # Writes through another tensor over the same storage with a counter of its own (`.data`, an
+                # EMA or weight-sync update between forwards) do not move this one: the writes counted per
+                # storage do (ops=True; high bits, so versions stay ints).
+                if self._writes:
+                    try:
+                        v += self._writes.get(t.untyped_storage().data_ptr(), 0) << 32
+                    except Exception:
+                        pass
+                return v
         try:
             return ("w", self._writes.get(t.untyped_storage().data_ptr(), 0))
         except Exception:
@@ -939,11 +949,12 @@ class Recorder:
         return out
 
     def _note_writes(self, func, args, kwargs) -> None:
-        """Count in-place writes to inference tensors, which have no version counter of their own."""
+        """Count in-place writes per storage: inference tensors have no version counter of their own, and other
+        tensors over a written storage may have one that the write did not move (`_version`)."""
         for pos, name in _mutated_args(func):
             t = args[pos] if pos < len(args) else kwargs.get(name)
             for x in (t if isinstance(t, (list, tuple)) else (t,)):
-                if isinstance(x, torch.Tensor) and x.is_inference():
+                if isinstance(x, torch.Tensor):
                     try:
                         key = x.untyped_storage().data_ptr()
                     except Exception:

@@ -153,3 +153,18 @@ def test_raw_writes_into_a_reused_buffer_never_make_differing_runs_identical(tmp
     t = Trace(tmp_path / "a")
     for c, k in zip(t.roots(), range(2)):  # every recorded fingerprint is of the bytes the call returned
         assert t.vkey[c.outputs[1][1]][2] == fingerprint(torch.full((4,), 10.0 * k + 2))[0]
+
+
+def test_a_weight_changed_through_data_between_calls_is_a_new_value(tmp_path):
+    """Regression: `.data` has a version counter of its own, so a weight updated through it between forwards (an
+    EMA, a weight sync, an old-style optimizer step) kept its old value id and fingerprint."""
+    lin = torch.nn.Linear(4, 4, bias=False)
+    w0 = lin.weight.detach().clone()
+    with torch.no_grad(), divtrace.record(lin, tmp_path / "t", mode="hash", ops=True):
+        lin(torch.ones(1, 4))
+        lin.weight.data.mul_(2)
+        lin(torch.ones(1, 4))
+    t = Trace(tmp_path / "t")
+    w = [r.inputs[0] for r in t.records if r.kind == "op" and r.op == "aten.t.default"]
+    assert w[0] != w[1]
+    assert t.vkey[w[0]][2] == fingerprint(w0)[0] and t.vkey[w[1]][2] == fingerprint(w0 * 2)[0]
