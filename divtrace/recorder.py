@@ -223,25 +223,13 @@ def _reads_only(func) -> bool:
     return r
 
 
-_CUSTOM_WRITES: dict = {}
+def _is_custom_op(func) -> bool:
+    """Whether `func` was made by torch.library.custom_op (which counts the writes to its arguments before the
+    dispatch mode sees the op: see Recorder.on_op)."""
+    from torch._library import custom_ops
 
-
-def _custom_op_writes(func, args, kwargs) -> set | None:
-    """ids of the tensors a torch.library.custom_op is about to write (None for any other op)."""
-    m = _CUSTOM_WRITES.get(func, 0)
-    if m == 0:
-        from torch._library import custom_ops
-
-        schema = getattr(func, "_schema", None)
-        m = _CUSTOM_WRITES[func] = (_mutated_args(func) or None) if schema is not None and \
-            schema.name in getattr(custom_ops, "OPDEFS", {}) else None
-    if not m:
-        return None
-    out = set()
-    for pos, key in m:
-        x = args[pos] if pos < len(args) else kwargs.get(key)
-        out.update(id(y) for y in (x if isinstance(x, (list, tuple)) else (x,)) if isinstance(y, torch.Tensor))
-    return out
+    schema = getattr(func, "_schema", None)
+    return schema is not None and schema.name in getattr(custom_ops, "OPDEFS", {})
 
 
 def _mutated_args(func) -> list:
@@ -601,8 +589,7 @@ class Recorder:
             if (t.is_contiguous() and src.is_contiguous()) or (src.shape == t.shape and src.stride() == t.stride()):
                 e = self._tensors.get(src)
                 # (an alias of a derived view is derived again from its own op, or hashed: it has no bytes to share)
-                ver = self._version(src)
-                if e is not None and e[1] == ver and e[0] not in self._derived:
+                if e is not None and e[1] == self._version(src) and e[0] not in self._derived:
                     v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
                                    stride=list(t.stride()))
                     alias = (e[0], src)
@@ -650,8 +637,7 @@ class Recorder:
         made another way."""
         src = self._alias_source(t, inputs)
         e = self._tensors.get(src) if src is not None else None
-        ver = self._version(src) if e is not None else None
-        if e is None or e[1] != ver or (self._unsettled and e[0] in self._unsettled):
+        if e is None or e[1] != self._version(src) or (self._unsettled and e[0] in self._unsettled):
             return None  # (a fresh buffer may be written behind torch's back: its views' bytes are hashed)
         if self.mode == "full" and not (rebuildable(enc_args, enc_kwargs)
                                         and e[0] in _arg_vids(enc_args, enc_kwargs)):
@@ -902,14 +888,16 @@ class Recorder:
             return out
         # An op that writes none of its arguments leaves them as they were: its inputs are fingerprinted after it
         # ran, so a weight streams from memory once, for the op, and is hashed from cache right after.
-        after, name, is_view, mutated = info
+        after, name, is_view, mutated, written_early = info
         if after:
             out = func(*args, **kwargs)
         with _BUSY:
             # A torch.library.custom_op that writes its arguments bumps their version counters *before* it reaches
             # this dispatch mode (torch/_library/custom_ops.py, adinplaceorview_impl): those arguments are read
             # here as they were, one version back (else a derived view would become a new value with no producer).
-            self._bumped = _custom_op_writes(func, args, kwargs) if not after else None
+            if written_early:
+                self._bumped = {id(y) for pos, key in mutated
+                                for y in op_tensors(args[pos] if pos < len(args) else kwargs.get(key), [])}
             tensors_in = op_tensors((args, kwargs), [])
             plain_in = [self._plain(t, func) for t in tensors_in]
             plain = all(p is not None for p in plain_in)  # not `None in`: that runs Tensor.__eq__
@@ -1005,11 +993,14 @@ def encode_constant(x, recurse):
 
 
 _OP_NAMES: dict = {}
-_OP_INFO: dict = {}  # op overload -> (_reads_only, _op_name, is_view, _mutated_args): one lookup per op call
+_OP_INFO: dict = {}  # op overload -> (_reads_only, _op_name, is_view, _mutated_args, a custom op that writes):
+# one lookup per op call
 
 
 def _op_info(func) -> tuple:
-    info = _OP_INFO[func] = (_reads_only(func), _op_name(func), getattr(func, "is_view", False), _mutated_args(func))
+    mutated = _mutated_args(func)
+    info = _OP_INFO[func] = (_reads_only(func), _op_name(func), getattr(func, "is_view", False), mutated,
+                             bool(mutated) and _is_custom_op(func))
     return info
 
 

@@ -70,8 +70,11 @@ def narrow_to_parting_op(target: Target, sides: dict[str, Side]) -> tuple[Target
     prec = ts.records[part]
     if prec.op in unrep:
         return give_up(f"the divergence starts at {prec.op} itself ({unrep[prec.op]})")
-    cone_o = cone_keys(to, orig[o], key_o)
-    new_s = next((v for v in prec.outputs if token_row_index(view_s, v) is not None and key_s(v) not in cone_o), None)
+    # what each side's whole diverging region holds: a differing output is none of the other side's, and each cut
+    # walk stops there (see the module docstring)
+    cones = {o: cone_keys(to, orig[o], key_o)}
+    new_s = next((v for v in prec.outputs if token_row_index(view_s, v) is not None and key_s(v) not in cones[o]),
+                 None)
     if new_s is None:
         return give_up(f"no output of its parting op {prec.op} (record {part}) has a differing row for the token")
     if not ts.has_bytes(new_s):
@@ -99,16 +102,13 @@ def narrow_to_parting_op(target: Target, sides: dict[str, Side]) -> tuple[Target
         new.va, new.vb, new.record, new.record_b = new_s, new_o, part, rec_o
     else:
         new.va, new.vb, new.record, new.record_b = new_o, new_s, rec_o, part
-    # each side stops at what the other side's whole diverging region holds (see the module docstring)
-    keys = {"a": cone_keys(sides["a"].trace, orig["a"], target.views["a"].vkey.__getitem__),
-            "b": cone_keys(sides["b"].trace, orig["b"], target.views["b"].vkey.__getitem__)}
+    cones[s] = cone_keys(ts, orig[s], key_s)
     vals = {"a": new.va, "b": new.vb}
     calls = {"a": target.call_a, "b": target.call_b}
-    traces = {"a": sides["a"].trace, "b": sides["b"].trace}
     cut = {}
     for x, y in (("a", "b"), ("b", "a")):
-        kx = target.views[x].vkey.__getitem__
-        cut[x] = build_side(traces[x], traces[y], vals[x], calls[x], vals[y], kx, other_keys=keys[y])
+        key_x = target.views[x].vkey.__getitem__
+        cut[x] = build_side(sides[x].trace, sides[y].trace, vals[x], calls[x], vals[y], key_x, other_keys=cones[y])
         cut[x].row_index = token_row_index(target.views[x], vals[x])
         new.row_index[x] = cut[x].row_index
     still = sorted({ts.records[i].op for i in cut[s].ops} & set(unrep))

@@ -86,7 +86,6 @@ class _Inputs:
     """The union of both sides' leaf inputs, one name per distinct recorded value (dtype, shape, bytes)."""
 
     def __init__(self, sides: dict[str, Side]):
-        self.sides = sides
         self.by_key: dict = {}
         self.order: list = []
         taken: set = set()
@@ -388,7 +387,7 @@ class _Script:
         return src, codes, found, missing
 
 
-def _save_tensors(out: Path, traces: dict, target: Target, inp: _Inputs) -> tuple[dict, dict]:
+def _save_tensors(out: Path, traces: dict, target: Target, inp: _Inputs, flat_rows: bool = False) -> tuple[dict, dict]:
     """inputs.safetensors (the leaves, as recorded) and expected.safetensors; returns (input specs, outputs)."""
     from safetensors.torch import save_file
 
@@ -408,7 +407,7 @@ def _save_tensors(out: Path, traces: dict, target: Target, inp: _Inputs) -> tupl
         from divtrace.repro.codegen import select_row
 
         outputs = {s: select_row(x, target.row_index[s]) for s, x in outputs.items()}
-        if inp.sides["a"].flat_row:  # (rows of another shape on each side are compared flat)
+        if flat_rows:  # (rows of another shape on each side are compared flat)
             outputs = {s: x.reshape(-1) for s, x in outputs.items()}
     outputs = {s: x.contiguous() for s, x in outputs.items()}
     save_file(outputs, str(out / "expected.safetensors"))
@@ -446,7 +445,7 @@ def _token_ties(target: Target, sides: dict[str, Side], inp: _Inputs) -> list:
 
 def _write(out: Path, ta: Trace, tb: Trace, target: Target, sides: dict[str, Side], imports: list[str]) -> ReproResult:
     inp = _Inputs(sides)
-    specs, outputs = _save_tensors(out, {"a": ta, "b": tb}, target, inp)
+    specs, outputs = _save_tensors(out, {"a": ta, "b": tb}, target, inp, sides["a"].flat_row)
     sc = _Script(ta, tb, target, sides, inp, specs, imports)
     sc.ties = _token_ties(target, sides, inp)
     if target.keep_untied:  # (repro/narrow.py) untied activations: the sides' different forms of one quantity
