@@ -3,7 +3,7 @@
 None has a dependency beyond the CPython API. Where no C compiler is available their build is skipped
 (optional=True) and divtrace does the same in Python, slower: `_native` is the fingerprint kernel (else torch
 ops hash), `_index` reads records.jsonl into the reader's index (else json and trace/reader.py's loop), `_rows`
-fingerprints token rows (else torch ops, divtrace/tokens/rowhash.py).
+fingerprints token rows (else torch ops, divtrace/record/rowhash.py).
 """
 from setuptools import Extension, setup
 

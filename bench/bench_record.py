@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     model, ids = build(args.small)
     tmp = Path(tempfile.mkdtemp(prefix="divtrace-bench-"))
-    from divtrace.fingerprint import IMPLEMENTATION
+    from divtrace.trace.fingerprint import IMPLEMENTATION
 
     res: dict = {"model": "small" if args.small else "llama h512 L8 seq256 fp32", "torch": torch.__version__,
                  "hash_impl": IMPLEMENTATION}

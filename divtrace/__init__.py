@@ -8,12 +8,14 @@ from __future__ import annotations
 __version__ = "0.1.0"
 __all__ = ["record", "open_trace", "bisect", "DivtraceError", "__version__"]
 
+# `divtrace.record` is this function, not the package divtrace/record/ it lives in: importing the package here
+# (light: it imports torch only when record() runs) lets Python set its attribute on divtrace now, once, and the
+# name is then bound to the function. So code imports from the package with `from divtrace.record import x`,
+# never `import divtrace.record.x as y` (which would look the attribute up and find the function).
+from divtrace.record import record  # noqa: E402
+
 
 def __getattr__(name):
-    if name == "record":
-        from divtrace.recorder import record
-
-        return record
     if name == "open_trace":
         from divtrace.trace.reader import open_trace
 

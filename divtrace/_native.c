@@ -1,6 +1,6 @@
 /* divtrace._native: the CPU fingerprint (scheme lane32-wsum128) and summary statistics in one pass.
 
-   The same numbers as divtrace/fingerprint.py computes with torch ops (the path accelerators and machines
+   The same numbers as divtrace/trace/fingerprint.py computes with torch ops (the path accelerators and machines
    without a C compiler take); tests check the two against each other and against the plain-Python reference.
 
    The raw bytes of a tensor, in logical (row-major) order, are cut into lanes of w = 4, 2 or 1 bytes (the
@@ -784,7 +784,7 @@ static PyObject *py_fingerprint(PyObject *self, PyObject *args) {
 }
 
 /* fingerprint_summary(the same arguments) -> (hex hash, stats): stats None without a stats kind, the summary
-   dict divtrace.fingerprint gives when some value is finite and their mean is too, else fingerprint()'s
+   dict divtrace.trace.fingerprint gives when some value is finite and their mean is too, else fingerprint()'s
    tuple for Python to finish. The same numbers as fingerprint(), less Python around each call (a recording
    makes one per value, each with caches cold from the forward: ~8 us of formatting apiece). */
 static PyObject *py_fingerprint_summary(PyObject *self, PyObject *args) {

@@ -2,7 +2,7 @@
 
    A row's raw bytes (row-major, contiguous) are cut into lanes of w = 4, 2 or 1 bytes (the widest that divides
    the row's byte count), each read as a signed little-endian integer x[i]. With two sets of odd 32-bit weights
-   U[i], V[i] (passed in from Python, divtrace/tokens/rowhash.py makes them):
+   U[i], V[i] (passed in from Python, divtrace/record/rowhash.py makes them):
        S = sum_i x[i] * U[i],  T = sum_i x[i] * V[i]   (mod 2**32),
        H = mix64(((S << 32) | T) ^ (rowbytes * 0x9E3779B97F4A7C15))
    Every weight is odd, hence a unit mod 2**32: a change in any one lane always changes both sums. 32-bit

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import divtrace
-from divtrace.compare.align import PathMap
+from divtrace.align.paths import PathMap
 from divtrace.compare.metrics import Tolerance
 from divtrace.errors import DivtraceError
 from helpers import hf_llama, record_model, record_pair

@@ -470,7 +470,8 @@ def test_bisect_is_the_same_on_either_reader(tmp_path, mode):
 
 def test_torch_free_tables_match_torch():
     """The dtype, finfo and fingerprint-scheme tables the reader and bisect use instead of importing torch."""
-    from divtrace import fingerprint, settings
+    from divtrace.record import settings
+    from divtrace.trace import fingerprint
 
     for short, size in {**reader._CORE_DTYPES, **reader._OPTIONAL_DTYPES}.items():
         d = getattr(torch, short, None)

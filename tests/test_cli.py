@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from divtrace.cli.app import main
-from divtrace.records import FORMAT_VERSION
+from divtrace.trace.records import FORMAT_VERSION
 from helpers import EXAMPLE, ROOT, record_model
 
 ENTRY = str(EXAMPLE)

@@ -1,4 +1,4 @@
-"""Recording torch.compile'd models (divtrace.compiled): taps inside compiled code, bisect compiled vs eager and
+"""Recording torch.compile'd models (divtrace.record.compiled): taps inside compiled code, bisect compiled vs eager and
 compiled vs compiled, the compiled repro, coverage ("unseen"), settings and bad input.
 
 torch.compile on this CPU takes seconds per graph: one tiny HF Llama (hidden 64, 2 layers) is compiled a few times
@@ -255,7 +255,7 @@ def test_values_written_in_place_by_compiled_kernels_are_recorded_as_written(tmp
             c(x)
             c(x)
         n_shared = len(hashed)
-        import divtrace.compiled.kernels as kernels
+        from divtrace.record.compiled import kernels
 
         mp.setattr(kernels, "site_info", lambda site: None)  # no value shared between taps
         with divtrace.record(c, tmp_path / "plain", mode="hash"):
@@ -297,7 +297,7 @@ class Runner:
 
 
 def test_generated_code_reading_never_shares_a_value_across_a_line_it_does_not_understand(tmp_path):
-    from divtrace.compiled.kernels import _analyze
+    from divtrace.record.compiled.kernels import _analyze
 
     p = tmp_path / "gen.py"
     p.write_text(GENERATED)

@@ -33,7 +33,7 @@ def _show(name, d):
 
 
 def test_row_fingerprints_on_the_gpu_equal_the_cpu():
-    from divtrace.tokens import rowhash
+    from divtrace.record import rowhash
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):

@@ -1,4 +1,4 @@
-"""Strided views (w.t(), transposes, expands) get a fingerprint derived from their op and input (divtrace.views),
+"""Strided views (w.t(), transposes, expands) get a fingerprint derived from their op and input (divtrace.trace.derived_views),
 and in full mode no bytes of their own: the reader rebuilds them from the op. Rebuilt bytes must be exactly the
 view the recording saw, a view must never make two equal tensors compare unequal where the bytes are there, and
 a record edited to rebuild something else must be caught."""
@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from divtrace.compare.align import ValueComparator
+from divtrace.align.paths import ValueComparator
 from divtrace.errors import DivtraceError
-from divtrace.fingerprint import fingerprint
+from divtrace.trace.fingerprint import fingerprint
 from divtrace.trace.check import check_trace
 from divtrace.trace.reader import Trace
 from helpers import hf_llama, record_model
@@ -156,7 +156,7 @@ def test_edited_view_record_is_caught(llama, tmp_path, edit, needle):
 def test_each_mode_writes_the_oldest_format_that_holds_it(llama):
     # Full-mode views without bytes need version 2 (a version-1 reader would call them broken); hash mode adds
     # only the optional "r" mark, which version-1 readers ignore, so its traces stay readable by them.
-    from divtrace.records import FORMAT_VERSION
+    from divtrace.trace.records import FORMAT_VERSION
 
     _, full, hashed = llama
     assert full.meta["format_version"] == FORMAT_VERSION == 2

@@ -416,7 +416,7 @@ def test_json_doc_matches_emitted_keys(bisect_dict, doc):
 
 @pytest.fixture(scope="module")
 def recorded_trace(tmp_path_factory):
-    from divtrace.entry import record_entry
+    from divtrace.record.entry import record_entry
 
     out = tmp_path_factory.mktemp("fmt") / "t"
     record_entry(f"{ROOT / 'examples' / 'llama_pair.py'}:training", out, args={"layers": 2}, mode="full")
@@ -427,8 +427,9 @@ def test_trace_format_doc_lists_every_field(recorded_trace):
     import dataclasses
     import inspect
 
-    from divtrace import recorder, records
-    from divtrace.settings import numerics_settings
+    from divtrace.record import recorder
+    from divtrace.trace import records
+    from divtrace.record.settings import numerics_settings
 
     doc_path = ROOT / "docs" / "trace-format.md"
     doc, fields_doc, text = _documented_keys(doc_path), _documented_keys(doc_path, 2), doc_path.read_text()

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from divtrace.cli.app import app
-from divtrace.entry import load_entry
+from divtrace.record.entry import load_entry
 
 ROOT = Path(__file__).resolve().parent.parent
 SKILL = ROOT / "divtrace" / "skill" / "divtrace"

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import divtrace
 import divtrace.trace.writer as w
 from divtrace.errors import DivtraceError
-from divtrace.fingerprint import fingerprint
+from divtrace.trace.fingerprint import fingerprint
 from divtrace.trace.check import check_trace
 from divtrace.trace.reader import Trace
 

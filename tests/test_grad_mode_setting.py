@@ -8,7 +8,7 @@ from torch import nn
 
 import divtrace
 from divtrace.cli.app import main
-from divtrace.settings import numerics_settings
+from divtrace.record.settings import numerics_settings
 
 
 def _model():

@@ -9,8 +9,8 @@ import sysconfig
 import pytest
 import torch
 
-from divtrace import fingerprint as fp
-from divtrace.records import json_safe
+from divtrace.trace import fingerprint as fp
+from divtrace.trace.records import json_safe
 
 pytestmark = pytest.mark.skipif(fp._native is None, reason="divtrace._native not built (no C compiler at install)")
 

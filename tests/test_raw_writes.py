@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from divtrace.fingerprint import fingerprint
+from divtrace.trace.fingerprint import fingerprint
 from divtrace.trace.reader import Trace
 from helpers import record_model
 from test_trace_fixtures import cli

@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import divtrace
-from divtrace.fingerprint import fingerprint
+from divtrace.trace.fingerprint import fingerprint
 from divtrace.trace.reader import Trace
 
 

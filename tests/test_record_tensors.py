@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import divtrace
-from divtrace import recorder
-from divtrace.fingerprint import tensor_hash
+from divtrace.record import recorder
+from divtrace.trace.fingerprint import tensor_hash
 from divtrace.trace.check import check_trace
 from divtrace.trace.reader import Trace
 from test_trace_fixtures import Tiny, cli, record_tiny, tiny_input

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from divtrace.tokens import layout, rowhash
+from divtrace.record import rowhash
+from divtrace.trace import token_layout as layout
 
 pytestmark = pytest.mark.skipif(rowhash._rows_bytes is None, reason="the _rows kernel is not built")
 

@@ -266,7 +266,7 @@ def test_declared_tokens_match_the_automatic_ones(tmp_path):
             out = m(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True,
                     position_ids=torch.tensor([[len(ids)]]))
             ids.append(nxt)
-    from divtrace.tokens.store import TokenIndex
+    from divtrace.trace.token_store import TokenIndex
 
     def keys(p):
         return sorted(k for g in TokenIndex(p).grids.values() for k in g.keys if k)
@@ -330,7 +330,7 @@ def test_a_stopped_trainer_is_never_identical(tmp_path):
 
 
 def test_layout_inference_and_overrides(tmp_path):
-    from divtrace.tokens import layout
+    from divtrace.trace import token_layout as layout
 
     g = [2, 5]
     assert layout.infer((2, 5, 8), g, 5) == "bt" and layout.infer((10, 8), g, 5) == "n"
@@ -350,7 +350,7 @@ def test_layout_inference_and_overrides(tmp_path):
         rec.tokens([1, 2, 3], [0, 1, 2])
         e(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]))
     from divtrace.trace.reader import Trace
-    from divtrace.tokens.store import TokenIndex
+    from divtrace.trace.token_store import TokenIndex
 
     t, idx = Trace(tmp_path / "o3"), TokenIndex(tmp_path / "o3").index
     proj = next(c for c in t.calls.values() if c.module == "proj")
@@ -363,7 +363,7 @@ def test_layout_inference_and_overrides(tmp_path):
 
 def _torch_row_hashes(x):
     """row_hashes by the torch path (GPUs, machines without a compiler), whatever this machine built."""
-    from divtrace.tokens import rowhash
+    from divtrace.record import rowhash
 
     native, rowhash._native_rows = rowhash._native_rows, None
     try:
@@ -373,7 +373,7 @@ def _torch_row_hashes(x):
 
 
 def test_row_fingerprints_c_and_torch_agree_and_see_every_bit():
-    from divtrace.tokens import rowhash
+    from divtrace.record import rowhash
 
     if rowhash._native_rows is None:
         pytest.skip("the C kernel is not built here")
@@ -435,8 +435,9 @@ def test_every_stored_row_fingerprint_is_the_row_of_the_stored_tensor(down_proj_
     fingerprint equals the fingerprint of that row of the tensor the full-mode trace holds."""
     import json as _json
 
-    from divtrace.tokens import layout, rowhash
-    from divtrace.tokens.store import TokenIndex
+    from divtrace.record import rowhash
+    from divtrace.trace import token_layout as layout
+    from divtrace.trace.token_store import TokenIndex
     from divtrace.trace.reader import Trace
 
     for path in down_proj_traces["full"]:
@@ -458,7 +459,7 @@ def test_every_stored_row_fingerprint_is_the_row_of_the_stored_tensor(down_proj_
 def test_packed_rows_hold_one_sequence_per_position_restart():
     """A trainer row packing two sequences (position ids restarting at 0) holds the same tokens as the two
     sequences in rows of their own, right-padded."""
-    from divtrace.tokens.identity import TokenTracker
+    from divtrace.record.token_identity import TokenTracker
 
     s1, s2 = [5, 6, 7], [8, 9]
     packed = TokenTracker().on_root_call(0, 0, (), {"input_ids": torch.tensor([s1 + s2]),

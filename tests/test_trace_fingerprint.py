@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from divtrace.fingerprint import reference_hash, tensor_hash
+from divtrace.trace.fingerprint import reference_hash, tensor_hash
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.int8,
@@ -50,7 +50,7 @@ def test_every_single_bit_flip_is_seen():
 
 
 def test_hash_does_not_depend_on_what_was_hashed_before():
-    code = ("import torch\nfrom divtrace.fingerprint import tensor_hash\n"
+    code = ("import torch\nfrom divtrace.trace.fingerprint import tensor_hash\n"
             "x = torch.arange(5000, dtype=torch.float64)\n{pre}print(tensor_hash(x))\n")
     outs = [subprocess.run([sys.executable, "-c", code.format(pre=pre)], capture_output=True, text=True,
                            check=True).stdout for pre in ("", "tensor_hash(torch.zeros(3_000_000))\n")]

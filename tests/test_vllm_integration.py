@@ -309,7 +309,9 @@ def test_vllm_vs_hf_first_divergence_matches_hook_oracle(model_dir, tmp_path, dt
     meta = json.loads((rollout_dir / "meta.json").read_text())
     assert meta["engine"]["name"] == "vllm" and meta["engine"]["enable_prefix_caching"] is False
 
-    if not hasattr(divtrace.recorder.Recorder, "tokens"):
+    from divtrace.record.recorder import Recorder
+
+    if not hasattr(Recorder, "tokens"):
         pytest.skip(f"token-aligned bisect is not in this divtrace yet (oracle: {point}, {len(differ)} tokens)")
     code, d, _ = bisect_json(train_dir, rollout_dir, "--map", "vllm-hf", "--align", "tokens")
     assert code == 1 and d["verdict"] == "diverged" and d.get("alignment") == "tokens"
@@ -370,7 +372,7 @@ def test_engines_recording_would_not_see_are_refused(model_dir, tmp_path, settin
 def test_compiled_and_multiprocess_engines_are_refused_from_their_settings(model_dir):
     """enforce_eager=False and VLLM_ENABLE_V1_MULTIPROCESSING=1 need an engine each (a compile, a process):
     their checks run on the real config objects of one engine, with the setting flipped."""
-    from divtrace.engines.vllm import find_runner
+    from divtrace.record.engines.vllm import find_runner
 
     llm = make_llm(model_dir, "float32")
     try:

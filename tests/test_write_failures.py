@@ -230,7 +230,7 @@ def _interrupt_import(monkeypatch, module: str):
     monkeypatch.setattr(builtins, "__import__", fake)
 
 
-@pytest.mark.parametrize("module", ["divtrace.cli.app", "divtrace.entry"])
+@pytest.mark.parametrize("module", ["divtrace.cli.app", "divtrace.record.entry"])
 def test_ctrl_c_while_importing(entry, tmp_path, monkeypatch, capsys, module):
     """Ctrl-C while the CLI's own imports run (typer, torch): one line, exit 130, no traceback. The console
     entry point (divtrace.cli:main) imports the CLI inside its try."""

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from divtrace.records import TensorValue, _short_stats, _value_compact
+from divtrace.trace.records import TensorValue, _short_stats, _value_compact
 from divtrace.trace.files import compact_encoder, readable_json
 
 

@@ -179,7 +179,7 @@ def _full_mode_command(t) -> str:
 def _under_factory(spec: str | None):
     if not spec:
         return None
-    from divtrace.entry import load_entry
+    from divtrace.record.entry import load_entry
 
     return load_entry(spec)
 

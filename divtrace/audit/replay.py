@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten
 
-from divtrace.records import OpRecord
+from divtrace.trace.records import OpRecord
 from divtrace.repro.codegen import Ctx, Unreplayable, literal, op_expr
 from divtrace.repro.region import RANDOM_OPS, op_short
 

@@ -18,7 +18,7 @@ class TokenViews:
         self.trace, self._views, self._root = trace, {}, {}
         self.grids = {}
         try:
-            from divtrace.tokens.store import TokenIndex
+            from divtrace.trace.token_store import TokenIndex
 
             self.grids = TokenIndex(trace.path).grids
         except ImportError:  # a divtrace without token files

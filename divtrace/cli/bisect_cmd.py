@@ -177,7 +177,7 @@ def bisect(
       divtrace bisect runs/train runs/infer --plot parting.png
       divtrace bisect runs/train runs/rollout --align tokens
     """
-    from divtrace.compare.align import PathMap
+    from divtrace.align.paths import PathMap
     from divtrace.compare.bisect import bisect as run_bisect
     from divtrace.compare.diffs import Tolerance
 

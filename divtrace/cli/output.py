@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from divtrace.records import json_safe
+from divtrace.trace.records import json_safe
 
 
 def _json_default(x):

@@ -44,7 +44,7 @@ def record(
     """
     import time
 
-    from divtrace.entry import parse_args, record_entry
+    from divtrace.record.entry import parse_args, record_entry
     from divtrace.trace.reader import Trace
     from divtrace.trace.writer import check_not_busy
 

@@ -37,7 +37,7 @@ def repro(
       divtrace repro runs/train runs/infer --at 412 --out repro-o_proj/
       divtrace repro runs/train runs/infer --out repro/ --import mykernels.ops
     """
-    from divtrace.compare.align import PathMap
+    from divtrace.align.paths import PathMap
     from divtrace.repro.writer import write_repro
 
     from divtrace.trace.reader import Trace

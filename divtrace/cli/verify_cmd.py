@@ -161,7 +161,7 @@ def verify(
       divtrace verify --runs examples/llama_pair.py:training examples/fixes/rmsnorm_fixed.py:inference
       divtrace verify --runs train.py:build infer.py:build --arg-b variant=fixed --baseline-b runs/infer
     """
-    from divtrace.entry import parse_args
+    from divtrace.record.entry import parse_args
 
     o = Output(json_out)
     if repro_dir is None and not runs:

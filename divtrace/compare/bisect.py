@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from itertools import chain
 from math import prod
 
-from divtrace.compare.align import Pairing, PathMap, ValueComparator
+from divtrace.align.paths import Pairing, PathMap, ValueComparator
 from divtrace.compare.diffs import TensorDiff, Tolerance
 from divtrace.compare.verdict import (EXIT_CODES, INCONCLUSIVE, Coverage, TraceSeen, decide, progress,
                                      unseen_of)
 from divtrace.errors import DivtraceError
-from divtrace.records import ModuleCall, OpRecord
+from divtrace.trace.records import ModuleCall, OpRecord
 from divtrace.trace.reader import Trace, gc_paused, itemsize
 
 # Ops that only move, alias or select values: never where two computations part, though they can sit in a region.
@@ -101,7 +101,7 @@ def _writes(op: str) -> bool:
 
 
 def _settings_diff(a: dict, b: dict) -> list[dict]:
-    """divtrace.settings.settings_diff, which cannot be imported without torch: the settings whose values
+    """divtrace.record.settings.settings_diff, which cannot be imported without torch: the settings whose values
     differ, as [{"name", "a", "b"}] (tests/test_bisect_scale.py checks the two agree)."""
     return [{"name": k, "a": a.get(k), "b": b.get(k)} for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
@@ -191,7 +191,7 @@ class BisectResult:
     hint: str | None = None
     bitwise_differs: int = 0
     tolerance: dict | None = None
-    compiled: dict | None = None  # traces recorded inside compiled code: divtrace.compiled.report
+    compiled: dict | None = None  # traces recorded inside compiled code: divtrace.compare.compiled_report
     reason: str = ""  # why this verdict (and, when inconclusive, what to do next)
     coverage: Coverage | None = None
 
@@ -570,7 +570,7 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
         raise DivtraceError(f"align must be 'auto', 'tokens' or 'calls', got {align!r}")
     with gc_paused():  # its caches are many small objects in no cycle (a 100k-record bisect: 0.25 s of collections)
         if align != "calls":
-            from divtrace.compare.token_align import token_alignment_needed
+            from divtrace.align.tokens import token_alignment_needed
 
             ta = a if isinstance(a, Trace) else Trace(a)
             tb = b if isinstance(b, Trace) else Trace(b)
@@ -677,7 +677,7 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
     env_keys = ("torch_version", "device", "cuda_device_name")
     sets = _settings_diff({**ta.meta.get("settings", {}), **{k: ta.meta.get(k) for k in env_keys}},
                          {**tb.meta.get("settings", {}), **{k: tb.meta.get(k) for k in env_keys}})
-    from divtrace.compiled.report import annotate
+    from divtrace.compare.compiled_report import annotate
 
     compiled, compiled_hint = annotate(ta, tb, first)
     hint = _hint(ta, tb, first)

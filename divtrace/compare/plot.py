@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from divtrace.compare.align import Pairing, PathMap, ValueComparator
+from divtrace.align.paths import Pairing, PathMap, ValueComparator
 from divtrace.errors import DivtraceError
 from divtrace.trace.reader import Trace
 

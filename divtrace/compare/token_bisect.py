@@ -1,6 +1,6 @@
 """Token-aligned bisect: where a rollout and a trainer recompute part, for the tokens both computed.
 
-1. Pair tokens by content (divtrace.compare.token_align): a token of a decode step of a left-padded batch and
+1. Pair tokens by content (divtrace.align.tokens): a token of a decode step of a left-padded batch and
    the same token of a right-padded micro-batch of the trainer are one token.
 2. Prove the pairing before any verdict: the position ids fed to the model, and the rows of the first
    embedding lookup (where its weights are equal on both sides), must agree for every shared token; else the
@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from divtrace.compare.align import Pairing, PathMap
+from divtrace.align.paths import Pairing, PathMap
 from divtrace.compare.bisect import BisectResult, Divergence, _seen, _settings_diff, _Walker
 from divtrace.compare.verdict import INCONCLUSIVE, decide
 from divtrace.compare.diffs import Tolerance
-from divtrace.compare.token_align import TokenComparator, TokenView, TraceTokens, shared_tokens
+from divtrace.align.tokens import TokenComparator, TokenView, TraceTokens, shared_tokens
 from divtrace.errors import DivtraceError
-from divtrace.tokens import layout
+from divtrace.trace import token_layout as layout
 
 MAX_WALKS = 48
 

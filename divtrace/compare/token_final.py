@@ -15,7 +15,7 @@ import math
 import torch
 
 from divtrace.compare.final import _train_first
-from divtrace.tokens import layout
+from divtrace.trace import token_layout as layout
 
 
 def _row(tok, final: dict, key: int, cache: dict):

@@ -20,10 +20,10 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
-from divtrace.compare.align import Pairing, PathMap, ValueComparator
+from divtrace.align.paths import Pairing, PathMap, ValueComparator
 from divtrace.compare.bisect import bisect, cast_rounds, constant_derived
 from divtrace.errors import DivtraceError
-from divtrace.records import ModuleCall
+from divtrace.trace.records import ModuleCall
 from divtrace.trace.reader import Trace
 
 # Ops that alias their input. A leaf that is a strided view of a contiguous value is replaced by that value and
@@ -109,7 +109,7 @@ def _call_by_key(t: Trace, module: str, call: int) -> ModuleCall:
 
 def token_row_index(view, vid: int) -> list | None:
     """The index of the token's row in value `vid` of a TokenView (":" for a whole dim), None when it has none."""
-    from divtrace.tokens import layout
+    from divtrace.trace import token_layout as layout
 
     e = view.tokens.index.index.get(vid)
     if e is None or e[0] != view.root_cid or e[2] < 0:
@@ -123,7 +123,7 @@ def token_row_index(view, vid: int) -> list | None:
 def _token_target(ta: Trace, tb: Trace, r, path_map: PathMap | None) -> Target:
     """The first divergence of a token-aligned bisect: each side's call that holds the token, the differing values
     (each side's whole tensor, at the batch that side ran), and the token's row in each."""
-    from divtrace.compare.token_align import TokenView
+    from divtrace.align.tokens import TokenView
 
     first = r.first
     ra, ca, rb, cb = r.first_cells

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import torch
 
-from divtrace.compare.align import PathMap
-from divtrace.engines import custom_op_module
+from divtrace.align.paths import PathMap
+from divtrace.record.engines import custom_op_module
 from divtrace.errors import DivtraceError
 from divtrace.oserrors import cannot_write, is_write_error
 from divtrace.repro import codegen, seqlen
 from divtrace.repro.narrow import engine_only_ops, narrow_to_parting_op
 from divtrace.repro.region import (RANDOM_OPS, Side, Target, build_side, check_values, common_suffix_start,
                                    find_target, flatten_rows, op_short, parting_record, _value_key)
-from divtrace.settings import APPLICABLE, numerics_settings
+from divtrace.record.settings import APPLICABLE, numerics_settings
 from divtrace.trace.reader import Trace
 
 FILES = ("repro.py", "inputs.safetensors", "expected.safetensors", "manifest.json")
@@ -420,7 +420,7 @@ def _token_ties(target: Target, sides: dict[str, Side], inp: _Inputs) -> list:
     draw every row anew and then copy these rows across, so both sides see the token's same input row inside
     batches that are otherwise random: a batch-invariant fix passes them, a kernel that depends on the rest of
     its batch does not."""
-    from divtrace.tokens import layout
+    from divtrace.trace import token_layout as layout
 
     if target.views is None:
         return []

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from itertools import chain
 from operator import itemgetter
 
-from divtrace.records import ModuleCall
+from divtrace.trace.records import ModuleCall
 from divtrace.trace.fields import _DTYPE_INFO, _SHARD_NAME, _dtype_info
 
 try:  # the C reader of records.jsonl (optional: built where a C compiler is; see _read_fast)

@@ -8,11 +8,11 @@ from itertools import chain
 from pathlib import Path
 
 from divtrace.errors import DivtraceError
-from divtrace.records import FORMAT_VERSION
+from divtrace.trace.records import FORMAT_VERSION
 from divtrace.trace.fields import _is_int, _str_or_none
 from divtrace.trace.files import META
 
-# Fingerprint schemes divtrace.fingerprint accepts, known here without importing it (it imports torch);
+# Fingerprint schemes divtrace.trace.fingerprint accepts, known here without importing it (it imports torch);
 # tests/test_bisect_scale.py checks this against fingerprint.hasher. Any other name is asked of
 # fingerprint.hasher itself, so a scheme added there is accepted too.
 _SCHEMES_KNOWN_WITHOUT_TORCH = frozenset({"lane32-wsum128"})
@@ -20,7 +20,7 @@ _SCHEMES_KNOWN_WITHOUT_TORCH = frozenset({"lane32-wsum128"})
 
 def _hasher(scheme):
     """fingerprint.hasher(scheme); imports torch."""
-    from divtrace.fingerprint import hasher
+    from divtrace.trace.fingerprint import hasher
 
     return hasher(scheme)
 
@@ -91,7 +91,7 @@ def read_meta(path: Path) -> dict:
         raise DivtraceError(f"{where}: no hash_scheme: written by an early development version of divtrace "
                             "whose fingerprints cannot be verified; record it again")
     if not _scheme_known(meta["hash_scheme"]):
-        from divtrace.fingerprint import HASH_SCHEME
+        from divtrace.trace.fingerprint import HASH_SCHEME
 
         raise DivtraceError(f"{where}: fingerprint scheme {meta['hash_scheme']!r} is unknown to this divtrace "
                             f"(it knows {HASH_SCHEME!r}); upgrade divtrace"[:300])

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from divtrace.records import ModuleCall, TensorValue
+from divtrace.trace.records import ModuleCall, TensorValue
 from divtrace.trace.index import IndexBuilding
 from divtrace.trace.integrity import Integrity
 from divtrace.trace.meta import check_trace_dir, read_meta
@@ -56,7 +56,7 @@ class Trace(IndexBuilding, ReferenceReader, Integrity, RecordViews, TensorAccess
     - per record: `rcall` (its call_id); for op records `rop` (op name), `rin` (input vids) and `rout` (output
       vids), tuples, None for module enter/exit records (which of the two: `calls[rcall[i]].enter_index == i`);
     - `vblob[vid]`: (blob, shard) of each value with stored bytes (full mode);
-    - `vderived`: values whose hash is derived from their producing view op's input (divtrace.views); in full
+    - `vderived`: values whose hash is derived from their producing view op's input (divtrace.trace.derived_views); in full
       mode their bytes are rebuilt from that op.
 
     Every field of every record is validated when the trace is opened, whichever reader builds this. The index

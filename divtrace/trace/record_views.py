@@ -12,7 +12,7 @@ from itertools import chain
 from math import prod
 from typing import TYPE_CHECKING
 
-from divtrace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue, contiguous_stride, stats_from_compact
+from divtrace.trace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue, contiguous_stride, stats_from_compact
 from divtrace.trace.fields import _DTYPE_INFO
 from divtrace.trace.index import gc_paused
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from divtrace.errors import DivtraceError
-from divtrace.records import ModuleCall, ModuleEnter, ModuleExit, OpRecord, TensorValue, contiguous_stride, \
+from divtrace.trace.records import ModuleCall, ModuleEnter, ModuleExit, OpRecord, TensorValue, contiguous_stride, \
     stats_from_compact
 from divtrace.trace.fields import _HEX32, _SHARD_NAME, _dtype_full, _str_or_none
 from divtrace.trace.files import RECORDS
@@ -52,7 +52,7 @@ class ReferenceReader:
                 raise DivtraceError(f"{loc}: malformed record ({type(e).__name__})") from None
 
     # validation -----------------------------------------------------------------------------------------
-    # Records are in the compact form of divtrace.records.record_compact. Every field is type-checked with
+    # Records are in the compact form of divtrace.trace.records.record_compact. Every field is type-checked with
     # plain `type(x) is ...` tests (this loop runs once per record, so it is kept lean); anything else a hand
     # edit can produce (a missing key, a wrong container) raises here and becomes one "malformed record" line.
     def _value(self, d, producer_ok, loc: str) -> TensorValue:

@@ -1,11 +1,11 @@
 """Where a value's bytes are read: `Trace.tensor(vid)` loads a stored tensor from its safetensors shard and
 checks it bit-exactly against its recorded fingerprint; a view value of a full-mode trace stored as "rebuild
-from the op" (divtrace.views) is rebuilt from its input's bytes (`_rebuilt`). torch is imported here only, when
+from the op" (divtrace.trace.derived_views) is rebuilt from its input's bytes (`_rebuilt`). torch is imported here only, when
 bytes are really asked for."""
 from __future__ import annotations
 
 from divtrace.errors import DivtraceError
-from divtrace.records import TensorValue
+from divtrace.trace.records import TensorValue
 from divtrace.trace.fields import _SHARD_NAME, torch_dtype
 from divtrace.trace.meta import _hasher
 
@@ -68,7 +68,7 @@ class TensorAccess:
     def derived_problem(self, vid: int) -> str | None:
         """Why the derived-view value `vid` cannot be rebuilt from its producing op, or None: the op must be a
         view divtrace derives, with one input, and the recorded fingerprint must be the one derived from them."""
-        from divtrace.views import DERIVABLE_VIEWS, rebuildable, view_fingerprint
+        from divtrace.trace.derived_views import DERIVABLE_VIEWS, rebuildable, view_fingerprint
 
         v = self.values[vid]
         rec = self.records[v.producer]
@@ -83,7 +83,7 @@ class TensorAccess:
     def _rebuilt(self, vid: int, v: TensorValue):
         """A view value of a full-mode trace, rebuilt by applying its recorded view op to the input's bytes (and
         a view of a view from the first stored value up, in a loop: chains can be long)."""
-        from divtrace.views import rebuild_view
+        from divtrace.trace.derived_views import rebuild_view
 
         chain = [vid]
         while self.values[chain[-1]].derived:

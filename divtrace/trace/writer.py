@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from divtrace.errors import DivtraceError
-from divtrace.fingerprint import HASH_SCHEME, IMPLEMENTATION, dtype_name, fingerprint, flat_bytes
+from divtrace.trace.fingerprint import HASH_SCHEME, IMPLEMENTATION, dtype_name, fingerprint, flat_bytes
 from divtrace.oserrors import os_reason
-from divtrace.records import FORMAT_VERSION, TensorValue, json_safe, record_compact
+from divtrace.trace.records import FORMAT_VERSION, TensorValue, json_safe, record_compact
 from divtrace.trace.files import (CHECKSUMS, META, RECORDS, SHARD_GLOB, SHARD_PATTERN, atomic_write_bytes,
                                   compact_encoder, fsync_dir, readable_json, temp_beside)
 

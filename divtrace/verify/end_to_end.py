@@ -43,8 +43,8 @@ def _final_tensor(out):
 
 def record_run(entry: str, args: dict, path: Path, mode: str, label: str):
     """Build ENTRY, record one forward into `path`; returns the model's output."""
-    from divtrace.entry import build_from_entry, run_model
-    from divtrace.recorder import record
+    from divtrace.record.entry import build_from_entry, run_model
+    from divtrace.record import record
 
     model, inputs = build_from_entry(entry, args)
     try:
@@ -69,7 +69,7 @@ def _baseline_entry(trace: Path) -> tuple[str, dict]:
 
 def time_forwards(builds: dict, threads: int | None, warmup: int = 1) -> dict:
     """Median forward seconds of each (name -> ENTRY, args), rounds interleaved."""
-    from divtrace.entry import build_from_entry, run_model
+    from divtrace.record.entry import build_from_entry, run_model
 
     models = {k: build_from_entry(e, a) for k, (e, a) in builds.items()}
     prev = torch.get_num_threads()

@@ -40,15 +40,15 @@ import weakref
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from divtrace.errors import DivtraceError
-from divtrace.fingerprint import dtype_name, fingerprint
-from divtrace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue
-from divtrace.settings import note_grad_mode, numerics_settings, run_environment
-from divtrace.tokens import layout as token_layout
-from divtrace.tokens.identity import TokenTracker
-from divtrace.tokens.rowhash import row_hashes, strided_row_hashes
-from divtrace.tokens.store import TokenStoreWriter
+from divtrace.trace.fingerprint import dtype_name, fingerprint
+from divtrace.trace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue
+from divtrace.record.settings import note_grad_mode, numerics_settings, run_environment
+from divtrace.trace import token_layout
+from divtrace.record.token_identity import TokenTracker
+from divtrace.record.rowhash import row_hashes, strided_row_hashes
+from divtrace.trace.token_store import TokenStoreWriter
 from divtrace.trace.writer import TraceWriter
-from divtrace.views import DERIVABLE_VIEWS, REORDERING, VIEW_KEY, rebuildable, view_fingerprint
+from divtrace.trace.derived_views import DERIVABLE_VIEWS, REORDERING, VIEW_KEY, rebuildable, view_fingerprint
 
 class _State(threading.local):
     """Per thread, shared by all recorders: while one does its own bookkeeping (busy), none records. Class-level
@@ -263,7 +263,7 @@ class Recorder:
             raise DivtraceError(f"record() needs a torch.nn.Module (or a vllm.LLM), got {type(model).__name__}")
         if mode not in ("full", "hash"):
             raise DivtraceError(f"mode must be 'full' or 'hash', got {mode!r}")
-        from divtrace.compiled.session import resolve  # torch.compile: divtrace/compiled, docs/compiled.md
+        from divtrace.record.compiled.session import resolve  # torch.compile: divtrace/record/compiled, docs/compiled.md
 
         self.compiled, ops, self._regions = resolve(model, compiled, ops)
         self._session = None
@@ -298,7 +298,7 @@ class Recorder:
         self._call_paths: dict[int, str] = {}  # call id -> module path (for token_layouts)
         self._boundary_path: str | None = None  # the module whose inputs or outputs are being recorded
         self._token_tracker = TokenTracker()
-        self._grid = None  # the token grid of the root call in progress (divtrace.tokens.identity.TokenGrid)
+        self._grid = None  # the token grid of the root call in progress (divtrace.record.token_identity.TokenGrid)
         self._token_store: TokenStoreWriter | None = None
         self._rowed: set[int] = set()  # vids whose token rows were looked at (the current root call's)
         self._layout_grid = None  # the grid _layouts holds the inferred layouts of: (shape, root output) -> code
@@ -313,8 +313,8 @@ class Recorder:
             raise DivtraceError("this model is already being recorded; nested record() on one model is not supported")
         first = next(self.model.parameters(), None)  # not list(): that walks every parameter of a big model
         device = str(first.device) if first is not None else "cpu"
-        from divtrace.compiled.paths import recorded_modules
-        from divtrace.compiled.session import CompiledSession
+        from divtrace.record.compiled.paths import recorded_modules
+        from divtrace.record.compiled.session import CompiledSession
 
         modules = recorded_modules(self.model)  # torch.compile's `_orig_mod.` wrappers left out of the paths
         self._root = modules[0][1]
@@ -369,7 +369,7 @@ class Recorder:
         self._token_tracker.declare(ids, positions, seqs)
 
     def _token_rows(self, vid: int, t: torch.Tensor, root_output: bool = False, alias=None) -> None:
-        """Fingerprint each token row of a value made in the current root call (see divtrace.tokens.layout). A
+        """Fingerprint each token row of a value made in the current root call (see divtrace.trace.token_layout). A
         view whose rows hold the same bytes as its source's rows (`alias`: a reshape of a row-major layout, or the
         [B, T, H, d] <-> [B, H, T, d] transpose) points at the source's fingerprints instead of hashing again."""
         g = self._grid
@@ -631,7 +631,7 @@ class Recorder:
 
     def _derived_view(self, t, producer, inputs, op, enc_args, enc_kwargs):
         """A strided view (w.t(), a transpose, an expand) of a known value: a fingerprint derived from the op, its
-        arguments and the input's fingerprint (divtrace.views), instead of a copy and a hash of its bytes; in
+        arguments and the input's fingerprint (divtrace.trace.derived_views), instead of a copy and a hash of its bytes; in
         full mode no bytes either (a reader rebuilds them from the op). A value that reaches a module boundary
         is hashed (and stored) for real there (`_real_hash`), where the other side may hold the same bytes
         made another way."""
@@ -748,7 +748,7 @@ class Recorder:
         self._stack.append(_Frame(call_id, module, excluded, sys.exc_info()[1], token))
 
     def _tap_enter(self, path, module, flat) -> None:
-        """A module call seen by a compiled-code tap (divtrace.compiled): `flat` is its inputs' (key, tensor)."""
+        """A module call seen by a compiled-code tap (divtrace.record.compiled): `flat` is its inputs' (key, tensor)."""
         if not _busy() and not self.writer.failed:
             with _BUSY:
                 self._enter(path, module, None, None, flat)
@@ -1022,43 +1022,3 @@ class _OpMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self.recorder.on_op(func, args, kwargs or {})
-
-
-def record(model, path, *, mode="full", ops=None, label=None, include=None, exclude=None, overwrite=False,
-           shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False, tokens=True,
-           token_layouts=None, compiled=None) -> Recorder:
-    """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
-    `model` is a `torch.nn.Module`, or a `vllm.LLM` (in-process, eager: see divtrace/engines/vllm.py).
-
-    `flush_records` bounds how many records may be lost if the process is killed (they are written in
-    batches of that many). `shard_bytes` is the size of a full-mode shard file; full mode holds no tensor
-    bytes in memory (each value is written into the open shard when it is produced).
-
-    A trace is readable after the process crashes or is killed at any point (atomic renames, checksummed
-    records). `durable=True` also fsyncs the trace at close (records.jsonl, the shards, then meta.json and the
-    directory entries), so a finished trace survives an OS crash or power loss right after; it is off by
-    default because fsync on a busy disk can stall for hundreds of milliseconds, and a trace cut short that
-    way reads as an error, never as a wrong trace.
-
-    Token identity (for `bisect --align tokens`): HF-style root calls (`input_ids` with `attention_mask`,
-    `position_ids`, a cache; `model.generate()`) are read automatically; engines and custom loops declare each
-    root call's tokens with `rec.tokens(ids, positions, seqs)`. Each token row of every recorded tensor then gets an
-    8-byte fingerprint beside the whole-tensor one. `tokens=False` records none of it. `token_layouts` overrides
-    the inferred token dims where a shape fools the inference: `{module path regex: "bt" | "bht" | "n" | "none"}`
-    applies to the values made inside a matching module and to its inputs and outputs.
-
-    Example::
-
-        with divtrace.record(model, "runs/train", mode="hash", label="train"):
-            model(input_ids)
-    """
-    kwargs = dict(mode=mode, ops=ops, label=label, include=include, exclude=exclude, overwrite=overwrite,
-                  shard_bytes=shard_bytes, extra_meta=extra_meta, flush_records=flush_records, durable=durable,
-                  tokens=tokens, token_layouts=token_layouts, compiled=compiled)
-    if not isinstance(model, torch.nn.Module):  # an inference engine (a vllm.LLM): its adapter, if there is one
-        from divtrace.engines import engine_recorder
-
-        rec = engine_recorder(model, path, **kwargs)
-        if rec is not None:
-            return rec
-    return Recorder(model, path, **kwargs)

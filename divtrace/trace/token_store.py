@@ -3,7 +3,7 @@
 - tokens.jsonl: one line per root call with token identity: {"c": call id, "n": root call number, "shape": grid,
   "kv": key/value length, "src": "hf"|"declared", "keys", "pos", "ids", "fed", "seq"} (lists, one entry per
   cell), preceded by {"S": sequence number, "first": first ids} for each sequence that starts in that call.
-- rows.bin: little-endian uint64 row fingerprints (divtrace.tokens.rowhash, scheme in meta tokens.row_scheme), 8
+- rows.bin: little-endian uint64 row fingerprints (divtrace.record.rowhash, scheme in meta tokens.row_scheme), 8
   bytes per token row.
 - rows.jsonl: one line per value with token rows: [vid, call id, layout code, offset in rows.bin (in rows)].
   Values whose shape is ambiguous are listed with their code ("?" or "x") and offset -1.
@@ -107,7 +107,7 @@ class TokenStoreWriter:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-        from divtrace.tokens.rowhash import ROW_SCHEME
+        from divtrace.record.rowhash import ROW_SCHEME
 
         return {"row_scheme": ROW_SCHEME, "grids": self.grids, "values_with_rows": self.values + self.shared,
                 "values_sharing_rows": self.shared, "rows": self.rows,
@@ -116,7 +116,7 @@ class TokenStoreWriter:
 
 @dataclass
 class Grid:
-    """A root call's token grid as read back (see divtrace.tokens.identity.TokenGrid)."""
+    """A root call's token grid as read back (see divtrace.record.token_identity.TokenGrid)."""
 
     call_id: int
     root_call: int
@@ -201,7 +201,7 @@ class TokenIndex:
     def index(self) -> dict[int, tuple[int, str, int]]:
         """vid -> (root call id, layout code, offset in rows.bin or -1)."""
         if self._index is None:
-            from divtrace.tokens.layout import row_count
+            from divtrace.trace.token_layout import row_count
 
             n = len(self.bin)
             self._index = {}

@@ -97,7 +97,7 @@ def record_entry(entry: str, out, *, args: dict | None = None, mode: str = "full
     """Build the model from ENTRY and record one forward into `out`. Returns the forward's wall time (s)."""
     import time
 
-    from divtrace.recorder import record
+    from divtrace.record import record
 
     if grad_mode not in GRAD_MODES:
         raise DivtraceError(f"--grad-mode must be one of {', '.join(GRAD_MODES)}, got {grad_mode!r}")

@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from divtrace.records import json_safe
+from divtrace.trace.records import json_safe
 
 try:
     from divtrace import _native

@@ -12,7 +12,7 @@ def engine_recorder(engine, path, **kwargs):
     """A Recorder for `engine`, or None when it is no engine divtrace knows."""
     mod = type(engine).__module__ or ""
     if mod.split(".")[0] == "vllm" and hasattr(engine, "llm_engine"):
-        from divtrace.engines.vllm import VllmRecorder
+        from divtrace.record.engines.vllm import VllmRecorder
 
         return VllmRecorder(engine, path, **kwargs)
     return None

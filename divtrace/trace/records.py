@@ -37,7 +37,7 @@ class TensorValue:
     blob: str | None = None  # safetensors key (full mode), content-addressed: equal bytes share a blob
     shard: str | None = None
     nbytes: int = 0
-    derived: bool = False  # `hash` is derived from the producing view op's input (divtrace.views): no bytes of its own
+    derived: bool = False  # `hash` is derived from the producing view op's input (divtrace.trace.derived_views): no bytes of its own
 
     @property
     def numel(self) -> int:

@@ -1,6 +1,6 @@
 """Compare time: pairing tokens of two traces, and a trace seen through one token's rows.
 
-`TraceTokens` reads a trace's token files (divtrace.tokens.store) and says where each token (its content key)
+`TraceTokens` reads a trace's token files (divtrace.trace.token_store) and says where each token (its content key)
 sits: root call and cell. `TokenView` is a trace narrowed to one root call and one cell of its token grid: module
 calls of that root call only, numbered from 0 within it, and every value keyed by that cell's row (dtype, row
 shape, row fingerprint) where the value has token rows, by its whole fingerprint where it has none. bisect's
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from divtrace.compare.align import ValueComparator
+from divtrace.align.paths import ValueComparator
 from divtrace.errors import DivtraceError
-from divtrace.records import ModuleCall
-from divtrace.tokens import layout
-from divtrace.tokens.store import TOKENS, TokenIndex
+from divtrace.trace.records import ModuleCall
+from divtrace.trace import token_layout as layout
+from divtrace.trace.token_store import TOKENS, TokenIndex
 
 class Incomparable(tuple):
     """The key of a value whose rows cannot be compared for one token (attention scores or a 4-D mask, which lay

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from divtrace.compare.diffs import TensorDiff, Tolerance
 from divtrace.errors import DivtraceError
-from divtrace.records import ModuleCall
+from divtrace.trace.records import ModuleCall
 from divtrace.trace.reader import Trace
 
 
@@ -305,7 +305,7 @@ _ALIASING = {"view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "
 def uninitialized_values(t: Trace) -> set[int]:
     """Value ids of `t` whose bytes are undefined: outputs of allocations that do not initialize, and views of
     them made before a write (a write makes a new value id, so later views are not in the set)."""
-    base = getattr(t, "trace", t)  # a token view (divtrace.compare.token_align) reads its trace's records
+    base = getattr(t, "trace", t)  # a token view (divtrace.align.tokens) reads its trace's records
     got = _UNDEFINED_CACHE.get(id(base))
     if got is not None and got[0]() is base:
         return got[1]

@@ -2,7 +2,7 @@
 code does not run unseen (compiled=False), and say in the trace which it was.
 
 compiled=True: every recorded module gets a forward pre hook and a forward hook that, while torch.compile traces
-them, put a tap (divtrace.compiled.taps) into the graph, and when they run eagerly record directly. Hooks added
+them, put a tap (divtrace.record.compiled.taps) into the graph, and when they run eagerly record directly. Hooks added
 to an already compiled model never run inside its compiled code (Dynamo does not guard on them), so the session
 drops Dynamo's compiled code (torch._dynamo.reset()) when it starts, and again when it ends: the model recompiles
 with the taps on its next call inside the block, and without them on its first call after. The dispatch mode is
@@ -21,8 +21,8 @@ import itertools
 import sys
 import time
 
-from divtrace.compiled import taps
-from divtrace.compiled.paths import compiled_regions
+from divtrace.record.compiled import taps
+from divtrace.record.compiled.paths import compiled_regions
 from divtrace.errors import DivtraceError
 
 _SIDS = itertools.count(1)
@@ -73,7 +73,7 @@ class CompiledSession:
     def settings(self) -> dict:
         """Settings keys this recording overrides: the Inductor options the compiled model was given (mode=,
         options=) and which compiler ran (None: eager)."""
-        from divtrace.settings import inductor_settings
+        from divtrace.record.settings import inductor_settings
 
         if not self.compiled:
             return {"torch_compile": None}
@@ -275,7 +275,7 @@ class CompiledSession:
         code shows an earlier tap of the same run of the graph handed over the same bytes (kernels.site_info's
         tokens: the same argument, no write in between). That one is handed over as the object the recorder
         got then, so it is not hashed again (a module's output is the next module's input)."""
-        from divtrace.compiled.kernels import producer_kernels, site_info, tap_site
+        from divtrace.record.compiled.kernels import producer_kernels, site_info, tap_site
 
         self.taps_run += 1
         module = self.modules.get(path)

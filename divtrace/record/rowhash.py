@@ -58,7 +58,7 @@ def _mix(s: np.ndarray, rowbytes: int) -> np.ndarray:
 
 
 def strided_row_hashes(x: torch.Tensor, code: str, rows: int) -> bytes | None:
-    """The row fingerprints of `x`'s token rows for layout `code` (divtrace.tokens.layout), as rows.bin's bytes
+    """The row fingerprints of `x`'s token rows for layout `code` (divtrace.trace.token_layout), as rows.bin's bytes
     (little-endian uint64), read in place wherever each row's bytes are contiguous and the rows lie at one
     stride (a column block of a fused output, a [B, T, H, d] view of a [B, H, T, d] tensor): no copy, no torch
     op, no array. The same numbers as row_hashes(layout.rows_2d(x, code)). None where the kernel is not built or

@@ -23,7 +23,7 @@ import re
 import torch
 
 from divtrace.errors import DivtraceError
-from divtrace.recorder import Recorder
+from divtrace.record.recorder import Recorder
 
 # Derived values, recorded at module boundaries under these keys (what the map `vllm-hf` pairs with HF's):
 # - `out.q` `out.k` `out.v` of a QKVParallelLinear: the q, k, v column blocks of its fused output (HF's
