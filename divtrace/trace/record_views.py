@@ -10,14 +10,10 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from itertools import chain
 from math import prod
-from typing import TYPE_CHECKING
 
 from divtrace.trace.records import ModuleEnter, ModuleExit, OpRecord, TensorValue, contiguous_stride, stats_from_compact
 from divtrace.trace.fields import _DTYPE_INFO
 from divtrace.trace.index import gc_paused
-
-if TYPE_CHECKING:
-    from divtrace.trace.reader import Trace
 
 
 class RecordViews:
@@ -96,7 +92,7 @@ class _Records(Sequence):
 
     __slots__ = ("_t", "_cache")
 
-    def __init__(self, t: Trace):
+    def __init__(self, t):  # the Trace (the reader imports this module, not the other way round)
         self._t, self._cache = t, t._record_cache
 
     def __len__(self) -> int:
@@ -133,7 +129,7 @@ class _Values(Mapping):
 
     __slots__ = ("_t", "_cache")
 
-    def __init__(self, t: Trace):
+    def __init__(self, t):  # the Trace (the reader imports this module, not the other way round)
         self._t, self._cache = t, t._value_cache
 
     def __getitem__(self, vid) -> TensorValue:

@@ -4,18 +4,43 @@ An adapter finds the engine's model, checks that the engine is set up so that re
 (refusing with one line naming the setting otherwise), declares each forward's token rows from the engine's
 batch, and records the engine's settings in the trace's metadata. Engine packages are imported only when an
 engine object is passed (detected by its class's module, without importing the engine).
+
+In: an engine object and `record()`'s arguments. Out: a Recorder for it (an adapter subclasses
+divtrace.record.recorder.Recorder), or None. This module is the registry: adapters depend on the recorder and
+register here (`register`); the recorder never imports an adapter. The adapters that ship with divtrace
+(`vllm`) are registered below and imported when an object of their engine is passed.
 """
 from __future__ import annotations
+
+from typing import Callable
+
+# engine package (the top-level module of the engine object's class) -> [(accepts(engine), factory(engine, path,
+# **record kwargs) -> Recorder)]
+_ADAPTERS: dict[str, list[tuple[Callable, Callable]]] = {}
+
+
+def register(package: str, accepts: Callable, factory: Callable) -> None:
+    """Make `record(engine, path, ...)` use `factory(engine, path, **kwargs)` for an engine object whose class
+    lives in `package` and for which `accepts(engine)` holds."""
+    _ADAPTERS.setdefault(package, []).append((accepts, factory))
 
 
 def engine_recorder(engine, path, **kwargs):
     """A Recorder for `engine`, or None when it is no engine divtrace knows."""
-    mod = type(engine).__module__ or ""
-    if mod.split(".")[0] == "vllm" and hasattr(engine, "llm_engine"):
-        from divtrace.record.engines.vllm import VllmRecorder
-
-        return VllmRecorder(engine, path, **kwargs)
+    package = (type(engine).__module__ or "").split(".")[0]
+    for accepts, factory in _ADAPTERS.get(package, ()):
+        if accepts(engine):
+            return factory(engine, path, **kwargs)
     return None
+
+
+def _vllm(llm, path, **kwargs):
+    from divtrace.record.engines.vllm import VllmRecorder  # (torch and the adapter: only for a vllm.LLM)
+
+    return VllmRecorder(llm, path, **kwargs)
+
+
+register("vllm", lambda llm: hasattr(llm, "llm_engine"), _vllm)
 
 
 # The module whose import registers an engine's compiled kernels as torch ops (what a repro script imports to
