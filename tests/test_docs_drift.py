@@ -427,7 +427,7 @@ def test_trace_format_doc_lists_every_field(recorded_trace):
     import dataclasses
     import inspect
 
-    from divtrace.record import recorder
+    from divtrace.record import op_records as recorder
     from divtrace.trace import records
     from divtrace.record.settings import numerics_settings
 

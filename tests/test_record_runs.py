@@ -211,7 +211,7 @@ def test_signal_inside_a_weakref_callback_is_held_not_lost(tmp_path):
     # The tensor table forgets dead tensors from a weakref callback, which runs wherever a last reference drops.
     # A SIGTERM raised there is swallowed by Python ("Exception ignored in"): a CI run's recording then never
     # stopped. Arriving there, it is held and raised at the next bookkeeping, and the trace is "terminated".
-    from divtrace.record import recorder
+    from divtrace.record import lifecycle as recorder
 
     class InForget:  # the frame the signal interrupted
         f_code = recorder._forget.__code__

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import divtrace
-from divtrace.record import recorder
+from divtrace.record import values as recorder
 from divtrace.trace.fingerprint import tensor_hash
 from divtrace.trace.check import check_trace
 from divtrace.trace.reader import Trace

@@ -89,7 +89,7 @@ class Ctx:
 
 
 def literal(x, ctx: Ctx) -> str:
-    """Source for one encoded op argument (see divtrace.record.recorder.encode_constant)."""
+    """Source for one encoded op argument (see divtrace.record.op_records.encode_constant)."""
     if x is None or isinstance(x, (bool, int, float, str)):
         return pylit(x)
     if isinstance(x, list):

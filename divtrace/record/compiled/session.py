@@ -188,8 +188,8 @@ class CompiledSession:
     def _regions_without_calls(self) -> list[str]:
         """A compiled region that ran but inside which no module call was seen: its compiled code ran blind."""
         out = []
-        calls = self.rec._calls
-        excl = self.rec._exclude
+        calls = self.rec.calls.counts
+        excl = self.rec.calls.exclude
         for r in self.regions:
             p = r["path"]
             n = calls.get(p, 0)
@@ -311,13 +311,13 @@ class CompiledSession:
         else:
             self._left = {}
         if event == "enter":
-            self.rec._tap_enter(path, module, flat)
+            self.rec.calls.tap_enter(path, module, flat)
         else:
             if path not in self.kernels and len(self.kernels) < 10000:
                 k = producer_kernels(info, [k for k, _ in flat])
                 if k is not None:
                     self.kernels[path] = k
-            self.rec._tap_exit(module, flat)
+            self.rec.calls.tap_exit(module, flat)
         if info is not None and site is not None and site[0] in self._runs:
             held = self._runs[site[0]][1]
             for tok in info[2]:  # no later tap of this run hands it over: let the buffer go

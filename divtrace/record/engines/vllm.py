@@ -23,6 +23,7 @@ import re
 import torch
 
 from divtrace.errors import DivtraceError
+from divtrace.record.module_calls import ModuleCalls
 from divtrace.record.recorder import Recorder
 
 # Derived values, recorded at module boundaries under these keys (what the map `vllm-hf` pairs with HF's):
@@ -132,21 +133,17 @@ def engine_meta(llm) -> dict:
 _LAYER = re.compile(r"(^|\.)layers\.\d+$")
 
 
-class VllmRecorder(Recorder):
-    """`record(llm, path)` for a `vllm.LLM`: the module recorder on the engine's model, with token rows
-    declared per forward and the derived boundary values listed in DERIVED."""
+class VllmCalls(ModuleCalls):
+    """The module calls of a vLLM model: the token grid of the logits call, no HF-style token reading of an
+    undeclared forward, and the derived boundary values listed in DERIVED."""
 
-    def __init__(self, llm, path, *, extra_meta=None, **kwargs):
-        runner = find_runner(llm)
-        meta = engine_meta(llm)
-        meta.update(extra_meta or {})
-        super().__init__(runner.model, path, extra_meta=meta, **kwargs)
-        self.llm, self.runner = llm, runner
-        self._patched = False
-        self._logits = getattr(runner.model, "logits_processor", None)
-        self._logit_rows: list | None = None  # (id, position, request) of the rows the next logits call gets
+    def __init__(self, model, *args, **kwargs):
+        super().__init__(model, *args, **kwargs)
+        self._logits = getattr(model, "logits_processor", None)
+        self.logit_rows: list | None = None  # (id, position, request) of the rows the next logits call gets
+        self.declared = False  # the next root call's tokens were declared (else it gets no token grid)
         self._derive: dict[int, str] = {}
-        for name, m in runner.model.named_modules():
+        for name, m in model.named_modules():
             kind = type(m).__name__
             if kind == "QKVParallelLinear":
                 self._derive[id(m)] = "qkv"
@@ -158,8 +155,94 @@ class VllmRecorder(Recorder):
                 self._derive[id(m)] = "embed"
             elif _LAYER.search(name):
                 self._derive[id(m)] = "layer"
+
+    def enter(self, path, module, args, kwargs):
+        tokens = self._tokens
+        if module is self._logits and self.logit_rows is not None and tokens.on:
+            self._logits_grid(path, args)
+        if module is self.model:
+            declared, self.declared = self.declared, False
+            if not declared and tokens.on:
+                # Not read as an HF-style call either: vLLM's flat ids would pass for one sequence from position 0.
+                tokens.on = False
+                try:
+                    return super().enter(path, module, args, kwargs)
+                finally:
+                    tokens.on = True
+        kind = self._derive.get(id(module))
+        if kind == "norm" and len(args) + len(kwargs) >= 2:
+            x = args[0] if args else kwargs.get("x")
+            res = args[1] if len(args) > 1 else kwargs.get("residual")
+            if isinstance(x, torch.Tensor) and isinstance(res, torch.Tensor) and x.shape == res.shape:
+                kwargs = {**kwargs, "divtrace_sum": x + res}
+        elif kind == "layer" and len(args) >= 3 and isinstance(args[1], torch.Tensor) \
+                and isinstance(args[2], torch.Tensor) and args[1].shape == args[2].shape:
+            kwargs = {**kwargs, "divtrace_sum": args[1] + args[2]}
+        elif kind == "embed" and args and isinstance(args[0], torch.Tensor) and args[0].dtype != torch.int64:
+            kwargs = {**kwargs, "divtrace_ids": args[0].to(torch.int64)}
+        return super().enter(path, module, args, kwargs)
+
+    def _logits_grid(self, path, args) -> None:
+        """Give the logits call a token grid of its own (the same tokens as the forward's last row of each
+        request), so its logits rows are fingerprinted per token like a root call's outputs."""
+        rows, self.logit_rows = self.logit_rows, None
+        hidden = args[1] if len(args) > 1 else None
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[0] != len(rows):
+            self._values.skip("a vLLM logits call whose rows are not the last row of each request (prompt logprobs "
+                              "or speculative decoding): its rows were not declared")
+            return
+        self._tokens.declare([r[0] for r in rows], [r[1] for r in rows], seqs=[r[2] for r in rows])
+        self._tokens.begin_root_call(self.next_call_id, self.counts.get(path, 0), args, {},
+                                     f"{path} call {self.counts.get(path, 0)}")
+
+    def exit(self, module, output):
+        tokens = self._tokens
+        if module is self._logits and tokens.grid is not None:
+            try:
+                return super().exit(module, output)
+            finally:
+                tokens.grid = None
+                tokens.rowed.clear()
+                tokens.store.flush()
+        kind = self._derive.get(id(module))
+        if kind is not None and isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            extra = self._derived_outputs(kind, module, output)
+            if extra:
+                output = {**{str(i): o for i, o in enumerate(output)}, **extra}
+        return super().exit(module, output)
+
+    @staticmethod
+    def _derived_outputs(kind, module, output) -> dict:
+        y = output[0]
+        if kind == "qkv":
+            sizes = [module.num_heads * module.head_size, module.num_kv_heads * module.head_size,
+                     module.num_kv_heads * getattr(module, "v_head_size", module.head_size)]
+            if sum(sizes) == y.shape[-1]:
+                return dict(zip(("q", "k", "v"), y.split(sizes, dim=-1)))
+        elif kind == "gate_up":
+            sizes = list(module.output_sizes)
+            if sum(sizes) == y.shape[-1]:
+                return dict(zip(("gate", "up"), y.split(sizes, dim=-1)))
+        elif kind == "layer" and len(output) == 2 and isinstance(output[1], torch.Tensor) \
+                and output[1].shape == y.shape:
+            return {"sum": y + output[1]}
+        return {}
+
+
+class VllmRecorder(Recorder):
+    """`record(llm, path)` for a `vllm.LLM`: the module recorder on the engine's model, with token rows
+    declared per forward and the derived boundary values listed in DERIVED (VllmCalls)."""
+
+    calls_class = VllmCalls
+
+    def __init__(self, llm, path, *, extra_meta=None, **kwargs):
+        runner = find_runner(llm)
+        meta = engine_meta(llm)
+        meta.update(extra_meta or {})
+        super().__init__(runner.model, path, extra_meta=meta, **kwargs)
+        self.llm, self.runner = llm, runner
+        self._patched = False
         self.steps = 0
-        self._declared = False  # the next root call's tokens were declared (else it gets no token grid)
 
     # context --------------------------------------------------------------------------------------------------
     def __enter__(self):
@@ -190,8 +273,8 @@ class VllmRecorder(Recorder):
         self.steps += 1
         ids, positions = kwargs.get("input_ids"), kwargs.get("positions")
         if not isinstance(ids, torch.Tensor) or not isinstance(positions, torch.Tensor) or positions.dim() != 1:
-            self._skip("a vLLM forward without flat input_ids/positions (embeddings or M-RoPE input): its token "
-                       "rows were not declared")
+            self.values.skip("a vLLM forward without flat input_ids/positions (embeddings or M-RoPE input): its "
+                             "token rows were not declared")
             return
         batch = self.runner.input_batch
         n_reqs = batch.num_reqs
@@ -202,92 +285,20 @@ class VllmRecorder(Recorder):
         n = ids.shape[0]
         ids_l, pos_l = ids.tolist(), positions.tolist()
         # vLLM computes logits after the forward, on the last scheduled row of each request (logits_indices)
-        self._logit_rows = [(ids_l[e - 1], pos_l[e - 1], rid) for rid, e in zip(batch.req_ids[:n_reqs], starts[1:])
-                            if 0 < e <= n]
+        self.calls.logit_rows = [(ids_l[e - 1], pos_l[e - 1], rid)
+                                 for rid, e in zip(batch.req_ids[:n_reqs], starts[1:]) if 0 < e <= n]
         declare = getattr(self, "tokens", None)
-        if not getattr(self, "_tokens_on", True):  # record(..., tokens=False)
+        if not self.token_rows.on:  # record(..., tokens=False)
             return
         if len(seqs) != n:
             # Padded rows (CUDA-graph sizes, which are refused; sequence-parallel padding): a padding row declared
             # as a token could pass for a real sequence starting with the pad id, so the step is left undeclared.
-            self._skip(f"a vLLM forward of {n} rows holds {len(seqs)} scheduled tokens (padding): its token rows "
-                       "were not declared")
+            self.values.skip(f"a vLLM forward of {n} rows holds {len(seqs)} scheduled tokens (padding): its token "
+                             "rows were not declared")
             return
         if declare is not None:
             declare(ids_l, pos_l, seqs=seqs)
-            self._declared = True
+            self.calls.declared = True
         else:
-            self._skip("this divtrace has no token API (rec.tokens): the vLLM forwards' token rows were not declared")
-
-    # derived boundary values ------------------------------------------------------------------------------------
-    def _enter(self, path, module, args, kwargs):
-        if module is self._logits and self._logit_rows is not None and getattr(self, "_tokens_on", False):
-            self._logits_grid(path, args)
-        if module is self.model:
-            declared, self._declared = self._declared, False
-            if not declared and getattr(self, "_tokens_on", False):
-                # Not read as an HF-style call either: vLLM's flat ids would pass for one sequence from position 0.
-                self._tokens_on = False
-                try:
-                    return super()._enter(path, module, args, kwargs)
-                finally:
-                    self._tokens_on = True
-        kind = self._derive.get(id(module))
-        if kind == "norm" and len(args) + len(kwargs) >= 2:
-            x = args[0] if args else kwargs.get("x")
-            res = args[1] if len(args) > 1 else kwargs.get("residual")
-            if isinstance(x, torch.Tensor) and isinstance(res, torch.Tensor) and x.shape == res.shape:
-                kwargs = {**kwargs, "divtrace_sum": x + res}
-        elif kind == "layer" and len(args) >= 3 and isinstance(args[1], torch.Tensor) \
-                and isinstance(args[2], torch.Tensor) and args[1].shape == args[2].shape:
-            kwargs = {**kwargs, "divtrace_sum": args[1] + args[2]}
-        elif kind == "embed" and args and isinstance(args[0], torch.Tensor) and args[0].dtype != torch.int64:
-            kwargs = {**kwargs, "divtrace_ids": args[0].to(torch.int64)}
-        return super()._enter(path, module, args, kwargs)
-
-    def _logits_grid(self, path, args) -> None:
-        """Give the logits call a token grid of its own (the same tokens as the forward's last row of each
-        request), so its logits rows are fingerprinted per token like a root call's outputs."""
-        rows, self._logit_rows = self._logit_rows, None
-        hidden = args[1] if len(args) > 1 else None
-        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[0] != len(rows):
-            self._skip("a vLLM logits call whose rows are not the last row of each request (prompt logprobs or "
-                       "speculative decoding): its rows were not declared")
-            return
-        self.tokens([r[0] for r in rows], [r[1] for r in rows], seqs=[r[2] for r in rows])
-        self._grid = self._token_tracker.on_root_call(self._next_call_id, self._calls.get(path, 0), args, {},
-                                                      f"{path} call {self._calls.get(path, 0)}")
-        if self._grid is not None:
-            self._token_store.add_grid(self._grid)
-
-    def _exit(self, module, output):
-        if module is self._logits and self._grid is not None:
-            try:
-                return super()._exit(module, output)
-            finally:
-                self._grid = None
-                self._rowed.clear()
-                self._token_store.flush()
-        kind = self._derive.get(id(module))
-        if kind is not None and isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            extra = self._derived_outputs(kind, module, output)
-            if extra:
-                output = {**{str(i): o for i, o in enumerate(output)}, **extra}
-        return super()._exit(module, output)
-
-    @staticmethod
-    def _derived_outputs(kind, module, output) -> dict:
-        y = output[0]
-        if kind == "qkv":
-            sizes = [module.num_heads * module.head_size, module.num_kv_heads * module.head_size,
-                     module.num_kv_heads * getattr(module, "v_head_size", module.head_size)]
-            if sum(sizes) == y.shape[-1]:
-                return dict(zip(("q", "k", "v"), y.split(sizes, dim=-1)))
-        elif kind == "gate_up":
-            sizes = list(module.output_sizes)
-            if sum(sizes) == y.shape[-1]:
-                return dict(zip(("gate", "up"), y.split(sizes, dim=-1)))
-        elif kind == "layer" and len(output) == 2 and isinstance(output[1], torch.Tensor) \
-                and output[1].shape == y.shape:
-            return {"sum": y + output[1]}
-        return {}
+            self.values.skip("this divtrace has no token API (rec.tokens): the vLLM forwards' token rows were not "
+                             "declared")

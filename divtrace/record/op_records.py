@@ -1,0 +1,237 @@
+"""The dispatch mode and op records: every aten op run inside a recorded module call, with ops=True.
+
+A TorchDispatchMode sees every aten op and attributes it to the innermost recorded module call on this thread
+(an op of model B called inside model A's forward lands only in B's trace). Its arguments are encoded for JSON
+(tensors as their value ids, `encode_constant` for the rest); its outputs become new values. The mode stays
+pushed for the whole block, between module calls too: a mode the user enters inside the block sits above it,
+and in-place writes between calls are counted (tests/test_record_mode_gaps.py).
+
+In: aten ops (func, args, kwargs) from the dispatcher. Out: OpRecords to the trace writer, with the values of
+their inputs and outputs (values); the writes counted per storage (values' versions).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from divtrace.record.lifecycle import ACTIVE as _ACTIVE
+from divtrace.record.lifecycle import BUSY as _BUSY
+from divtrace.record.lifecycle import STATE as _STATE
+from divtrace.record.lifecycle import owners as _owners
+from divtrace.record.values import op_tensors
+from divtrace.trace.records import OpRecord
+
+_MUTATED: dict = {}  # op overload -> [(position, name)] of the arguments it writes to
+
+
+_READS_ONLY: dict = {}
+
+
+def _reads_only(func) -> bool:
+    """Whether the op's schema says it writes none of its arguments (no schema: assume it may)."""
+    r = _READS_ONLY.get(func)
+    if r is None:
+        r = _READS_ONLY[func] = getattr(func, "_schema", None) is not None and not _mutated_args(func)
+    return r
+
+
+def _is_custom_op(func) -> bool:
+    """Whether `func` was made by torch.library.custom_op (which counts the writes to its arguments before the
+    dispatch mode sees the op: see OpRecorder.on_op)."""
+    from torch._library import custom_ops
+
+    schema = getattr(func, "_schema", None)
+    return schema is not None and schema.name in getattr(custom_ops, "OPDEFS", {})
+
+
+def _mutated_args(func) -> list:
+    m = _MUTATED.get(func)
+    if m is None:
+        try:
+            m = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write]
+        except AttributeError:
+            m = []
+        _MUTATED[func] = m
+    return m
+
+
+class OpRecorder:
+    """The op records of one recording (ops=True): the dispatch mode's side of the recorder."""
+
+    def __init__(self, calls, values):
+        self._calls = calls  # the ModuleCalls: an op belongs to the innermost recorded call on this thread
+        self._stack = calls.stack
+        self._take_index = calls.take_index  # (bound once, like the values' methods: called for every op)
+        self._values = values
+        self._writes = values.writes
+        self._plain, self._vid_of, self._produced = values.plain, values.vid_of, values.produced
+        self.writer = None  # the TraceWriter, from the start of the block
+        self._mode = None
+
+    def push_mode(self) -> None:
+        """Push the dispatch mode, for the whole block: never popped between module calls, so a dispatch mode
+        the user enters inside the block sits above it (it sees the model's ops first; divtrace records what then
+        runs), and in-place writes between calls are counted (inference tensors have no version counter)."""
+        self._mode = _OpMode(self)
+        self._mode.__enter__()
+        self._values.mode_pushed = True
+
+    def pop_mode(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+
+    def _owns_innermost(self) -> bool:
+        owners = _owners()
+        return not owners or owners[-1][1] is self._calls
+
+    def on_op(self, func, args, kwargs):
+        """Run `func`, recording it when it runs inside a recorded module call."""
+        info = _OP_INFO.get(func)
+        if info is None:
+            info = _op_info(func)
+        stack = self._stack
+        if (_STATE.busy or not stack or stack[-1].call_id is None or self.writer.failed
+                or (len(_ACTIVE) > 1 and not self._owns_innermost())):
+            out = func(*args, **kwargs)
+            if info[3] and not _STATE.busy:
+                self._note_writes(func, args, kwargs)
+            return out
+        # An op that writes none of its arguments leaves them as they were: its inputs are fingerprinted after it
+        # ran, so a weight streams from memory once, for the op, and is hashed from cache right after.
+        after, name, is_view, mutated, written_early = info
+        if after:
+            out = func(*args, **kwargs)
+        with _BUSY:
+            # A torch.library.custom_op that writes its arguments bumps their version counters *before* it reaches
+            # this dispatch mode (torch/_library/custom_ops.py, adinplaceorview_impl): those arguments are read
+            # here as they were, one version back (else a derived view would become a new value with no producer).
+            if written_early:
+                self._values.bumped = {id(y) for pos, key in mutated
+                                       for y in op_tensors(args[pos] if pos < len(args) else kwargs.get(key), [])}
+            tensors_in = op_tensors((args, kwargs), [])
+            plain_in = [self._plain(t, func) for t in tensors_in]
+            plain = all(p is not None for p in plain_in)  # not `None in`: that runs Tensor.__eq__
+            if plain:
+                values: list = []
+                vids: list[int] = []
+                local = {id(t): p for t, p in zip(tensors_in, plain_in)}
+                enc_args = [self._encode(a, values, vids, local) for a in args]
+                enc_kwargs = {k: self._encode(v, values, vids, local) for k, v in kwargs.items()}
+        self._values.bumped = None
+        if not after:
+            out = func(*args, **kwargs)
+            if mutated:
+                self._note_writes(func, args, kwargs)
+        if not plain:
+            return out
+        with _BUSY:
+            outs = op_tensors(out, [])
+            writes = None
+            if out is None:  # returns nothing, writes its result into arguments (vLLM's _C.onednn_mm): those
+                outs, writes = [], []  # are its outputs, and `out` says which arguments hold them
+                for pos, arg in mutated:
+                    where = pos if pos < len(args) else arg
+                    got = op_tensors(args[pos] if pos < len(args) else kwargs.get(arg), [])
+                    outs += got
+                    writes += [where] if len(got) == 1 else [[where, k] for k in range(len(got))]
+            plain_out = [self._plain(t, func) for t in outs]
+            if not outs or any(p is None for p in plain_out):
+                return out
+            index = self._take_index()
+            out_vids = [self._produced(p, index, plain_in, values, name, enc_args, is_view, enc_kwargs)
+                        for p in plain_out]
+            vid_by_id = {id(t): v for t, v in zip(outs, out_vids)}
+            enc_out = self._encode_out(out, vid_by_id) if writes is None else {"$writes": writes}
+            rec = OpRecord(index, self._stack[-1].call_id, name, enc_args, enc_kwargs, vids, out_vids, enc_out)
+            self.writer.append(rec, values)
+        return out
+
+    def _note_writes(self, func, args, kwargs) -> None:
+        """Count in-place writes per storage: inference tensors have no version counter of their own, and other
+        tensors over a written storage may have one that the write did not move (`_version`)."""
+        for pos, name in _mutated_args(func):
+            t = args[pos] if pos < len(args) else kwargs.get(name)
+            for x in (t if isinstance(t, (list, tuple)) else (t,)):
+                if isinstance(x, torch.Tensor):
+                    try:
+                        key = x.untyped_storage().data_ptr()
+                    except Exception:
+                        continue
+                    self._writes[key] = self._writes.get(key, 0) + 1
+
+    def _encode(self, x, values, vids, local):
+        tx = type(x)
+        if tx is int or tx is bool or x is None or tx is str:  # most arguments: what encode_constant returns as is
+            return x
+        if tx is list and all(type(y) is int for y in x):  # sizes, dims
+            return list(x)
+        if isinstance(x, torch.Tensor):
+            vid = self._vid_of(local.get(id(x), x), values)
+            vids.append(vid)
+            return {"$v": vid}
+        return encode_constant(x, lambda y: self._encode(y, values, vids, local))
+
+    def _encode_out(self, x, vid_by_id):
+        if isinstance(x, torch.Tensor):
+            return {"$v": vid_by_id[id(x)]}
+        return encode_constant(x, lambda y: self._encode_out(y, vid_by_id))
+
+
+def encode_constant(x, recurse):
+    """JSON form of a non-tensor op argument; repro code turns it back into a Python literal."""
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else {"$float": repr(x)}
+    if isinstance(x, complex):
+        return {"$complex": [encode_constant(x.real, recurse), encode_constant(x.imag, recurse)]}
+    if isinstance(x, (list, tuple)):
+        return {"$tuple": [recurse(y) for y in x]} if isinstance(x, tuple) else [recurse(y) for y in x]
+    if isinstance(x, dict):
+        return {"$dict": [[str(k), recurse(v)] for k, v in x.items()]}
+    if isinstance(x, torch.dtype):
+        return {"$dtype": str(x)}
+    if isinstance(x, torch.device):
+        return {"$device": str(x)}
+    if isinstance(x, torch.layout):
+        return {"$layout": str(x)}
+    if isinstance(x, torch.memory_format):
+        return {"$memory_format": str(x)}
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return {"$repr": str(x)}
+    return {"$repr": repr(x)[:200], "$type": type(x).__name__}
+
+
+_OP_NAMES: dict = {}
+_OP_INFO: dict = {}  # op overload -> (_reads_only, _op_name, is_view, _mutated_args, a custom op that writes):
+# one lookup per op call
+
+
+def _op_info(func) -> tuple:
+    mutated = _mutated_args(func)
+    info = _OP_INFO[func] = (_reads_only(func), _op_name(func), getattr(func, "is_view", False), mutated,
+                             bool(mutated) and _is_custom_op(func))
+    return info
+
+
+def _op_name(func) -> str:
+    name = _OP_NAMES.get(func)
+    if name is None:
+        try:
+            name = f"{func.namespace}.{func._opname}.{func._overloadname}"
+        except AttributeError:
+            name = str(func)
+        _OP_NAMES[func] = name
+    return name
+
+
+class _OpMode(TorchDispatchMode):
+    def __init__(self, recorder: OpRecorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.recorder.on_op(func, args, kwargs or {})
