@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import divtrace
-from divtrace.compare import bisect as bisect_mod
+from divtrace.compare import op_kinds as bisect_mod
 from divtrace.errors import DivtraceError
 from divtrace.trace import reader
 from divtrace.trace.reader import Trace
@@ -470,6 +470,7 @@ def test_bisect_is_the_same_on_either_reader(tmp_path, mode):
 
 def test_torch_free_tables_match_torch():
     """The dtype, finfo and fingerprint-scheme tables the reader and bisect use instead of importing torch."""
+    from divtrace.compare import results
     from divtrace.record import settings
     from divtrace.trace import fingerprint
 
@@ -496,7 +497,7 @@ def test_torch_free_tables_match_torch():
     assert fingerprint.HASH_SCHEME in reader._SCHEMES_KNOWN_WITHOUT_TORCH
     a = {"num_threads": 1, "x": None, "sdp_flash": True}
     b = {"num_threads": 2, "y": 0, "sdp_flash": True}
-    assert bisect_mod._settings_diff(a, b) == settings.settings_diff(a, b)
+    assert results.settings_diff(a, b) == settings.settings_diff(a, b)
 
 
 def test_cast_to_packed_fp4_is_computing_not_a_crash():

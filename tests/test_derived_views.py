@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from divtrace.align.paths import ValueComparator
+from divtrace.compare.values import ValueComparator
 from divtrace.errors import DivtraceError
 from divtrace.trace.fingerprint import fingerprint
 from divtrace.trace.check import check_trace

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from divtrace.align.paths import ValueComparator
 from divtrace.errors import DivtraceError
 from divtrace.trace.records import ModuleCall
 from divtrace.trace import token_layout as layout
@@ -184,25 +183,6 @@ class TokenView:
             if row is not None:
                 return row
         return x
-
-
-class TokenComparator(ValueComparator):
-    """ValueComparator over two TokenViews: values whose keys cannot be paired (another row length: a decode
-    step's cache against a full sequence; a cross-token value) are not compared at all, neither equal nor
-    different; another dtype with the same row length is a difference (an fp32 residual against bf16)."""
-
-    @staticmethod
-    def comparable(ka, kb) -> bool:
-        return not isinstance(ka, Incomparable) and not isinstance(kb, Incomparable) and tuple(ka[1]) == tuple(kb[1])
-
-    def same(self, va: int, vb: int) -> bool:
-        if not self.comparable(self._ka[va], self._kb[vb]):
-            return True
-        return super().same(va, vb)
-
-    def first_unequal(self, pairs):
-        ka, kb = self._ka, self._kb
-        return super().first_unequal([(va, vb) for va, vb in pairs if self.comparable(ka[va], kb[vb])])
 
 
 def shared_tokens(sa: TraceTokens, sb: TraceTokens) -> list[int]:

@@ -277,7 +277,7 @@ def audit(path, *, under: str | None = None, device: str | None = None, progress
     from divtrace.audit.checks import check_rows, same_bytes, with_layout
     from divtrace.audit.replay import recorded_call, resolve, why_not_replayable
     from divtrace.audit.rows import NoRows, plan_rows
-    from divtrace.compare.bisect import constant_derived, is_computing
+    from divtrace.compare.op_kinds import constant_derived, is_computing
     from divtrace.compare.metrics import bitwise_equal
     from divtrace.repro.codegen import Unreplayable
     from divtrace.repro.region import op_short

@@ -16,7 +16,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from divtrace.align.paths import Pairing, PathMap, ValueComparator
+from divtrace.align.calls import Pairing
+from divtrace.align.paths import PathMap
+from divtrace.compare.values import ValueComparator
 from divtrace.errors import DivtraceError
 from divtrace.trace.reader import Trace
 

@@ -19,11 +19,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from divtrace.align.paths import Pairing, PathMap
-from divtrace.compare.bisect import BisectResult, Divergence, _seen, _settings_diff, _Walker
-from divtrace.compare.verdict import INCONCLUSIVE, decide
+from divtrace.align.calls import Pairing
+from divtrace.align.paths import PathMap
+from divtrace.align.tokens import TokenView, TraceTokens, shared_tokens
 from divtrace.compare.diffs import Tolerance
-from divtrace.align.tokens import TokenComparator, TokenView, TraceTokens, shared_tokens
+from divtrace.compare.results import BisectResult, Divergence, settings_diff, trace_seen
+from divtrace.compare.values import TokenComparator
+from divtrace.compare.verdict import INCONCLUSIVE, decide
+from divtrace.compare.walker import OriginWalker
 from divtrace.errors import DivtraceError
 from divtrace.trace import token_layout as layout
 
@@ -232,7 +235,7 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
         rb, cb = sb.where[k]
         va, vb = TokenView(sa, ra, ca), TokenView(sb, rb, cb)
         cmp = TokenComparator(va, vb, tol)
-        walker = _Walker(va, vb, Pairing(va, vb, path_map), cmp)
+        walker = OriginWalker(va, vb, Pairing(va, vb, path_map), cmp)
         if not walker.differs(va.root, vb.root):
             continue
         d = walker.localize(va.root, vb.root)
@@ -284,8 +287,8 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
         warnings += [f"{t.path} (recording): {w}" for w in t.meta.get("warnings") or [] if isinstance(w, str)]
     # The verdict rule (divtrace.compare.verdict): the final outputs are each shared token's logits row.
     ver = decide(origin_found=first is not None, within_tolerance=False, final_compared=final_compared > 0,
-               final_equal=not final_bad, a=_seen(ta, "a", tb), b=_seen(tb, "b", ta), calls_compared=len(shared),
-               only_a=tokens["only_a"], only_b=tokens["only_b"], unit="tokens",
+               final_equal=not final_bad, a=trace_seen(ta, "a", tb), b=trace_seen(tb, "b", ta),
+               calls_compared=len(shared), only_a=tokens["only_a"], only_b=tokens["only_b"], unit="tokens",
                final_note="no shared token's logits were recorded with token rows on both sides")
     verdict, reason = ver.verdict, ver.reason
     if first is None and n_diff and verdict != INCONCLUSIVE:
@@ -301,7 +304,7 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
                 v()
     final = _final_summary(sa, sb, groups, final_diff, ta, tb, fin_a, fin_b) if final_compared else None
     env_keys = ("torch_version", "device", "cuda_device_name")
-    sets = _settings_diff({**ta.meta.get("settings", {}), **{k: ta.meta.get(k) for k in env_keys}},
+    sets = settings_diff({**ta.meta.get("settings", {}), **{k: ta.meta.get(k) for k in env_keys}},
                           {**tb.meta.get("settings", {}), **{k: tb.meta.get(k) for k in env_keys}})
     metrics = ta.mode == "full" and tb.mode == "full"
     return TokenBisectResult(

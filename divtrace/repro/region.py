@@ -20,8 +20,11 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
-from divtrace.align.paths import Pairing, PathMap, ValueComparator
-from divtrace.compare.bisect import bisect, cast_rounds, constant_derived
+from divtrace.align.calls import Pairing
+from divtrace.align.paths import PathMap
+from divtrace.compare.bisect import bisect
+from divtrace.compare.op_kinds import cast_rounds, constant_derived
+from divtrace.compare.values import ValueComparator
 from divtrace.errors import DivtraceError
 from divtrace.trace.records import ModuleCall
 from divtrace.trace.reader import Trace
@@ -403,7 +406,7 @@ def common_suffix_start(sa: Side, sb: Side) -> tuple[int, int] | None:
     differ, the earliest such differing pair: the first diverging output. A fused-RoPE divergence seen at the
     attention output is then reproduced at the RoPE output, without the attention that only carries it. None when
     the regions do not end alike, or the common part only moves values (views)."""
-    from divtrace.compare.bisect import is_computing
+    from divtrace.compare.op_kinds import is_computing
 
     ta, tb = sa.trace, sb.trace
     in_a, in_b = set(sa.ops), set(sb.ops)
@@ -448,7 +451,7 @@ def flatten_rows(sides: dict[str, Side]) -> None:
 
 def parting_record(side: Side) -> int | None:
     """The side's first op that computes (not a view, copy or constant): where its region parts from the other's."""
-    from divtrace.compare.bisect import is_computing
+    from divtrace.compare.op_kinds import is_computing
 
     memo: dict = {}
     for i in side.ops:
