@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     from safetensors.torch import save_file
 
     from divtrace.trace.reader import Trace
-    from divtrace.trace.writer import write_shard
+    from divtrace.trace.shards import write_shard
 
     full_run = rec("full", True)
     full_run.setup()

@@ -100,7 +100,7 @@ def _wait_for(path, proc, limit=120.0):
 
 def test_killed_recordings_are_never_identical(tmp_path):
     from divtrace.record.entry import record_entry
-    from divtrace.trace.writer import LOCK
+    from divtrace.trace.directory import LOCK
 
     (tmp_path / "entry.py").write_text(ENTRY)
     (tmp_path / "fork.py").write_text(FORK_SCRIPT)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import divtrace
-import divtrace.trace.writer as w
+import divtrace.trace.shards as w
 from divtrace.errors import DivtraceError
 from divtrace.trace.fingerprint import fingerprint
 from divtrace.trace.check import check_trace

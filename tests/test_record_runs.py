@@ -269,7 +269,7 @@ def _fail_writes(monkeypatch, path_part, after, partial=False):
 def test_disk_full_during_recording(tmp_path, monkeypatch, where):
     out = tmp_path / "t"
     if where == "shard":
-        import divtrace.trace.writer as w
+        import divtrace.trace.shards as w
 
         calls = {"n": 0}
         real = w.ShardFile.finish

@@ -391,7 +391,7 @@ def test_shards_are_plain_safetensors(tmp_path):
 
     from safetensors.torch import load_file
 
-    from divtrace.trace.writer import write_shard
+    from divtrace.trace.shards import write_shard
 
     g = torch.Generator().manual_seed(0)
     tensors = {"f32": torch.randn(7, generator=g), "bf16": torch.randn(5, generator=g).bfloat16(),

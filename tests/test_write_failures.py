@@ -282,7 +282,7 @@ def test_stop_during_the_recording_says_the_trace_is_marked(entry, tmp_path):
 def test_a_second_recording_into_a_busy_directory_names_the_process(entry, tmp_path):
     """The first recording holds a lock naming its PID: a second one is refused at once, --overwrite or not,
     and leaves the first one's files alone. Once that process is gone its lock does not block --overwrite."""
-    from divtrace.trace.writer import LOCK
+    from divtrace.trace.directory import LOCK
 
     out = tmp_path / "t"
     assert cli("record", entry, "--out", out)[0] == 0
@@ -313,7 +313,7 @@ def test_a_second_recording_into_a_busy_directory_names_the_process(entry, tmp_p
 
 def test_a_lock_left_by_a_killed_recording_into_a_new_directory(tmp_path):
     """A lock with an unreadable body (killed between creating and filling it) is stale too."""
-    from divtrace.trace.writer import LOCK
+    from divtrace.trace.directory import LOCK
 
     out = tmp_path / "t"
     out.mkdir()

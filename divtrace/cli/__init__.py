@@ -2,6 +2,9 @@
 
 `main` here is the console entry point: it imports the CLI inside its own try, so a Ctrl-C that lands while
 the imports run (typer, rich, torch) ends in one line, not a traceback.
+
+In: argv. Out: the library's calls (divtrace.record, .compare, .repro, .verify, .audit) and their results, as rich
+text for people or --json for machines, with the exit codes of docs/contract.md.
 """
 from __future__ import annotations
 

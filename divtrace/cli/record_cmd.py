@@ -46,7 +46,7 @@ def record(
 
     from divtrace.record.entry import parse_args, record_entry
     from divtrace.trace.reader import Trace
-    from divtrace.trace.writer import check_not_busy
+    from divtrace.trace.directory import check_not_busy
 
     o = Output(json_out)
     kwargs = parse_args(arg)

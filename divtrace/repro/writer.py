@@ -21,9 +21,10 @@ from divtrace.record.engines import custom_op_module
 from divtrace.errors import DivtraceError
 from divtrace.oserrors import cannot_write, is_write_error
 from divtrace.repro import codegen, seqlen
+from divtrace.repro.inputs import Inputs, save_tensors, token_ties
 from divtrace.repro.narrow import engine_only_ops, narrow_to_parting_op
 from divtrace.repro.region import (RANDOM_OPS, Side, Target, build_side, check_values, common_suffix_start,
-                                   find_target, flatten_rows, op_short, parting_record, _value_key)
+                                   find_target, flatten_rows, op_short, parting_record)
 from divtrace.record.settings import APPLICABLE, numerics_settings
 from divtrace.trace.reader import Trace
 
@@ -48,62 +49,6 @@ class ReproResult:
     @property
     def exit_code(self) -> int:
         return 0 if self.ok else 1
-
-
-def _hint(side: Side, vid: int) -> str:
-    t = side.trace
-    for key, v in side.call.inputs:
-        if v == vid:
-            last = key.split(".")[-1]
-            return f"arg{last}" if last.isdigit() else last
-    for c in t.calls.values():
-        for key, v in c.outputs:
-            if v == vid:
-                suffix = key.removeprefix("out").lstrip(".")
-                return (c.module.split(".")[-1] or "model") + "_out" + suffix
-    for c in t.roots():
-        for key, v in c.inputs:
-            if v == vid:
-                return key.split(".")[-1]
-    p = t.values[vid].producer
-    return "param" if p is None else op_short(t.records[p].op) + "_out"
-
-
-def _range(x: torch.Tensor) -> tuple[float, float]:
-    if x.numel() == 0:
-        return 0.0, 0.0
-    if x.dtype == torch.bool:
-        x = x.to(torch.uint8)
-    if x.is_complex():
-        x = torch.view_as_real(x)
-    if x.is_floating_point():
-        f = x[torch.isfinite(x)].double()
-        return (float(f.min()), float(f.max())) if f.numel() else (0.0, 0.0)
-    return float(x.min()), float(x.max())
-
-
-class _Inputs:
-    """The union of both sides' leaf inputs, one name per distinct recorded value (dtype, shape, bytes)."""
-
-    def __init__(self, sides: dict[str, Side]):
-        self.by_key: dict = {}
-        self.order: list = []
-        taken: set = set()
-        self.names: dict[str, dict[int, str]] = {"a": {}, "b": {}}
-        self.first: dict = {}  # key -> (side, vid) that defines the stored value and layout
-        for s, side in sides.items():
-            for vid in side.leaves:
-                key = _value_key(side.trace, vid)
-                if key not in self.by_key:
-                    self.by_key[key] = codegen.safe_ident(_hint(side, vid), taken)
-                    self.order.append(key)
-                    self.first[key] = (s, vid)
-                self.names[s][vid] = self.by_key[key]
-        self.roles = {}
-        for key in self.order:
-            roles = {side.roles[v] for s, side in sides.items() for v in side.leaves
-                     if _value_key(side.trace, v) == key}
-            self.roles[key] = "activation" if "activation" in roles else sorted(roles)[0]
 
 
 def _settings(t: Trace) -> dict:
@@ -341,7 +286,7 @@ def _parting(side: Side) -> str | None:
 class _Script:
     """Everything repro.py is generated from; `build` renders one version of it (batch-symbolic or not)."""
 
-    def __init__(self, ta: Trace, tb: Trace, target: Target, sides: dict[str, Side], inp: _Inputs, specs: dict,
+    def __init__(self, ta: Trace, tb: Trace, target: Target, sides: dict[str, Side], inp: Inputs, specs: dict,
                  imports: list[str]):
         self.traces, self.sides, self.inp, self.specs, self.imports = {"a": ta, "b": tb}, sides, inp, specs, imports
         self.device = str(ta.meta.get("device") or "cpu")
@@ -387,67 +332,11 @@ class _Script:
         return src, codes, found, missing
 
 
-def _save_tensors(out: Path, traces: dict, target: Target, inp: _Inputs, flat_rows: bool = False) -> tuple[dict, dict]:
-    """inputs.safetensors (the leaves, as recorded) and expected.safetensors; returns (input specs, outputs)."""
-    from safetensors.torch import save_file
-
-    tensors, specs = {}, {}
-    for key in inp.order:
-        s, vid = inp.first[key]
-        x = traces[s].tensor(vid)
-        v = traces[s].values[vid]
-        lo, hi = _range(x)
-        name = inp.by_key[key]
-        tensors[name] = x.contiguous()
-        specs[name] = {"dtype": v.dtype, "shape": list(v.shape), "stride": list(v.stride), "device": v.device,
-                       "role": inp.roles[key], "min": lo, "max": hi, "batch_dim": None}
-    save_file(tensors, str(out / "inputs.safetensors"))
-    outputs = {"a": traces["a"].tensor(target.va), "b": traces["b"].tensor(target.vb)}
-    if target.row_index is not None:  # token alignment: each side returns the token's row of its output
-        from divtrace.repro.codegen import select_row
-
-        outputs = {s: select_row(x, target.row_index[s]) for s, x in outputs.items()}
-        if flat_rows:  # (rows of another shape on each side are compared flat)
-            outputs = {s: x.reshape(-1) for s, x in outputs.items()}
-    outputs = {s: x.contiguous() for s, x in outputs.items()}
-    save_file(outputs, str(out / "expected.safetensors"))
-    return specs, outputs
-
-
-def _token_ties(target: Target, sides: dict[str, Side], inp: _Inputs) -> list:
-    """Token alignment: [input of b, its row index, input of a, its row index] for each activation of side b whose
-    row for the token is an activation row of side a (the same token's row in each side's batch). Random trials
-    draw every row anew and then copy these rows across, so both sides see the token's same input row inside
-    batches that are otherwise random: a batch-invariant fix passes them, a kernel that depends on the rest of
-    its batch does not."""
-    from divtrace.trace import token_layout as layout
-
-    if target.views is None:
-        return []
-
-    def rows_of(s):
-        view = target.views[s]
-        idx = view.tokens.index.index
-        g = view.tokens.index.grids[view.root_cid]
-        got = {}
-        for vid in sides[s].leaves:
-            e = idx.get(vid)
-            if sides[s].roles.get(vid) != "activation" or e is None or e[0] != view.root_cid or e[2] < 0:
-                continue
-            where = layout.row_index(e[1], g.shape, view.cell)
-            if where is not None:
-                got.setdefault(view.vkey[vid], (inp.names[s][vid], where))
-        return got
-
-    ra, rb = rows_of("a"), rows_of("b")
-    return [[nb, ib, *ra[k]] for k, (nb, ib) in rb.items() if k in ra and ra[k][0] != nb]
-
-
 def _write(out: Path, ta: Trace, tb: Trace, target: Target, sides: dict[str, Side], imports: list[str]) -> ReproResult:
-    inp = _Inputs(sides)
-    specs, outputs = _save_tensors(out, {"a": ta, "b": tb}, target, inp, sides["a"].flat_row)
+    inp = Inputs(sides)
+    specs, outputs = save_tensors(out, {"a": ta, "b": tb}, target, inp, sides["a"].flat_row)
     sc = _Script(ta, tb, target, sides, inp, specs, imports)
-    sc.ties = _token_ties(target, sides, inp)
+    sc.ties = token_ties(target, sides, inp)
     if target.keep_untied:  # (repro/narrow.py) untied activations: the sides' different forms of one quantity
         tied = {n for t in sc.ties for n in (t[0], t[2])}
         sc.keep = [k for k in sc.names if specs[k]["role"] == "activation" and k not in tied]

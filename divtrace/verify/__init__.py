@@ -3,6 +3,9 @@ function as an fp64 reference; how fast; and, end to end, whether re-recorded ru
 
 `checks` (bitwise), `reference` (fp64 gate), `profile` (timing), `end_to_end` (re-record + bisect); `loading`
 imports a repro directory and a patch file. Nothing here imports torch at package import.
+
+In: a repro directory (divtrace.repro) and a patch, or an entry point to re-record both sides of (divtrace.record,
+compared by divtrace.compare). Out: a VerifyResult of PASSED / FAILED checks.
 """
 from __future__ import annotations
 
