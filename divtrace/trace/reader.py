@@ -5,7 +5,7 @@ version. Every problem is a DivtraceError naming the file (and line). records.js
 sha256 before it is parsed (from meta.json when the recording closed, else from checksums.jsonl, which also
 covers what a killed run left). Tensor bytes are checked against their fingerprint on every load, and
 `verify_shards()` checks every stored tensor (what bisect needs before "identical"). Traces written before
-shards lost their sha256 (see trace/writer.write_shard) still have their shards checked against it.
+shards lost their sha256 (see trace/shards.write_shard) still have their shards checked against it.
 
 `Trace` is put together from one module per job, each a mixin over the state `Trace.__init__`/`_reset` set up:
 

@@ -277,7 +277,7 @@ class TraceWriter:
         self.meta.update(status=status, complete=(status == "complete"), error=error, records=self.n_written,
                          shards=list(self._shards.names), finished=time.time(),
                          checksums={"records": {"sha256": self._records_sha.hexdigest(), "bytes": self._records_size},
-                                    "shards": {}},  # no shard digests: see write_shard
+                                    "shards": {}},  # no shard digests: see shards.write_shard
                          **extra)
         try:
             self._write_meta(durable=self._durable)

@@ -95,7 +95,7 @@ def tap_op():
 
 
 def flatten(obj, prefix: str, out: list, depth: int = 0) -> list:
-    """(key, tensor) pairs of a nested structure, keyed as the eager recorder keys them (recorder.flatten_tensors)
+    """(key, tensor) pairs of a nested structure, keyed as the eager recorder keys them (values.flatten_tensors)
     for tuples, lists and dicts (HF ModelOutput is a dict). Kept to what torch.compile traces without a graph
     break: dataclasses that are not dicts are not looked into."""
     if isinstance(obj, torch.Tensor):
