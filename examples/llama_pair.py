@@ -279,6 +279,14 @@ def inference(dtype: str = "bf16", variant: str = "all", seed: int = 0, **cfg: A
     return model, (make_inputs(model.cfg, seed),)
 
 
+def inference_compiled(dtype: str = "bf16", variant: str = "none", seed: int = 0,
+                       **cfg: Any) -> tuple[nn.Module, tuple]:
+    """The inference side under torch.compile (Inductor), for `divtrace record --compiled` (docs/compiled.md). With
+    the default variant `none` the only difference from `training` is the compiler."""
+    model, inputs = inference(dtype, variant, seed, **cfg)
+    return torch.compile(model), inputs
+
+
 if __name__ == "__main__":
     for dt in DTYPES:
         for var in VARIANTS:
