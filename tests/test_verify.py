@@ -53,6 +53,28 @@ def test_unchanged_side_fails(repros, tmp_path, capsys, case, patch):
     assert all(c["status"] == "FAILED" for c in by_kind(res, "trial") + by_kind(res, "sweep"))
 
 
+def test_summary_counts_only_failures_and_ungated_reference_is_information(repros, tmp_path, capsys):
+    """Issue 26 snag 3: `FAILED: verify: 25 check(s) failed (1 recorded, 20 trial, 4 sweep, 4 reference)` while the
+    4 reference checks passed; and without --patch, `PASSED: reference ... (not gated)` read as a result."""
+    capsys.readouterr()
+    assert main(["verify", str(repros["rmsnorm_cast"]), "--trials", "3"]) == 1
+    out = capsys.readouterr().out
+    lines = [" ".join(x.split()) for x in out.splitlines()]
+    assert not any(x.startswith(("PASSED: reference", "FAILED: reference")) for x in lines), out
+    assert "info: reference (recorded inputs)" in " ".join(out.split())
+    last = " ".join(out.split()).rsplit("FAILED: verify:", 1)[1]
+    assert last.strip() == ("8 check(s) failed (1 recorded, 3 trial, 4 sweep); 4 reference not gated "
+                            "(information)"), last
+    code, res = run_json(capsys, repros["rmsnorm_cast"], "--trials", "3")
+    assert {c["status"] for c in by_kind(res, "reference")} == {"INFO"}
+    # a patch that fails bitwise but passes the fp64 gate: the reference checks count as passed, not failed
+    capsys.readouterr()
+    patch = write_patch(tmp_path, "rmsnorm_fp64")
+    assert main(["verify", str(repros["rmsnorm_cast"]), "--patch", patch, "--side", "b", "--trials", "2"]) == 1
+    last = " ".join(capsys.readouterr().out.split()).rsplit("FAILED: verify:", 1)[1].strip()
+    assert last == "7 check(s) failed (1 recorded, 2 trial, 4 sweep); 3 reference passed", last
+
+
 @pytest.mark.parametrize("case,patch", [("rmsnorm_cast", "rmsnorm_batch_only"), ("split_k", "split_k_batch_only")])
 def test_batch_size_only_fix_fails_on_the_sweep(repros, tmp_path, capsys, case, patch):
     code, res = run_json(capsys, repros[case], "--patch", write_patch(tmp_path, patch), "--side", "b", "--trials", "5")

@@ -69,6 +69,8 @@ def render_checks(o: Output, res: dict) -> None:
             o.passed(text)
         elif c["status"] == "FAILED":
             o.failed(text)
+        elif c["status"] == "INFO":  # a figure with no gate: not a result, so no PASSED/FAILED word
+            o.line(f"info: {text}")
         else:
             o.line(f"SKIPPED: {text}")
     if trials:
@@ -202,12 +204,23 @@ def verify(
     if json_out:
         o.json(result)
     else:
-        kinds = ("recorded", "trial", "sweep", "reference", "end_to_end")
-        n = {k: sum(c["kind"] == k for c in result["checks"]) for k in kinds}
-        summary = ", ".join(f"{v} {k}" for k, v in n.items() if v)
-        if ok:
-            o.passed(f"verify: every check holds ({summary})")
-        else:
-            bad = sum(c["status"] == "FAILED" for c in result["checks"])
-            o.failed(f"verify: {bad} check(s) failed ({summary})")
+        (o.passed if ok else o.failed)(summary_line(result["checks"], ok))
     return 0 if ok else 1
+
+
+def summary_line(checks: list[dict], ok: bool) -> str:
+    """The last line's text (after PASSED: / FAILED:): the checks that held, per kind, or only the checks that
+    failed, per kind; SKIPPED checks and informational figures (INFO: no gate) are named apart."""
+    kinds = ("recorded", "trial", "sweep", "reference", "end_to_end")
+
+    def count(status):
+        n = {k: sum(c["kind"] == k and c["status"] == status for c in checks) for k in kinds}
+        return ", ".join(f"{v} {k}" for k, v in n.items() if v)
+
+    extra = "".join(f"; {what} {why}" for what, why in ((count("SKIPPED"), "skipped"),
+                                                        (count("INFO"), "not gated (information)")) if what)
+    if ok:
+        return f"verify: every check holds ({count('PASSED')}{extra})"
+    bad = sum(c["status"] == "FAILED" for c in checks)
+    held = count("PASSED")
+    return f"verify: {bad} check(s) failed ({count('FAILED')})" + (f"; {held} passed" if held else "") + extra
