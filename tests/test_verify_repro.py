@@ -71,3 +71,60 @@ def test_profile_prints_ratios(generated, capsys):
                   r"time per call: ([\d.]+)x side b, ([\d.]+)x side a", out)
     assert m, out[-1500:]
     assert float(m.group(3)) == pytest.approx(100 / int(m.group(1)), rel=0.02, abs=0.01)
+
+
+def test_a_crash_is_exit_2_and_verify_says_error_not_still_differs(generated, tmp_path, capsys):
+    """Issue 26 snag 4: repro.py exited 1 both when the sides differ and when it crashed (no torch; a custom op's
+    module missing under the wrong interpreter); verify must report such a crash as an error."""
+    import shutil
+    import subprocess
+    import sys
+
+    src, _ = generated
+    if "rmsnorm_cast" not in str(src):
+        pytest.skip("one variant is enough")
+    d = tmp_path / "repro"
+    shutil.copytree(src, d)
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert manifest["python"]["executable"] == sys.executable and manifest["python"]["torch"]
+
+    def run(*flags):
+        p = subprocess.run([sys.executable, *flags, str(d / "repro.py")], capture_output=True, text=True, timeout=120)
+        return p.returncode, p.stderr
+
+    assert run()[0] == 1  # the sides differ
+    rc, err = run("-S", "-s")  # no site-packages: no torch
+    assert rc == 2 and "No module named 'torch'" in err and "exit 2" in err, err
+    # written under another interpreter (a vLLM venv, say) that has a module this one has not
+    manifest["python"]["executable"] = "/opt/other-venv/bin/python"
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    good = (d / "repro.py").read_text()
+    (d / "repro.py").write_text(good.replace("\nimport torch\n", "\nimport torch\nimport divtrace_test_absent_engine\n", 1))
+    rc, err = run()
+    assert rc == 2 and "/opt/other-venv/bin/python" in err, err
+    capsys.readouterr()
+    assert main(["verify", str(d)]) == 2
+    out = capsys.readouterr()
+    assert "FAILED" not in out.out and "divtrace_test_absent_engine" in out.err and "/opt/other-venv/bin/python" in out.err
+    # a side that raises while running
+    (d / "repro.py").write_text(good.replace("def side_b(", "def side_b(*_a, **_k):\n    raise RuntimeError('boom')\n\n\n"
+                                             "def _unused_side_b(", 1))
+    rc, err = run()
+    assert rc == 2 and "RuntimeError: boom" in err, err
+    capsys.readouterr()
+    assert main(["verify", str(d)]) == 2
+    assert "FAILED" not in capsys.readouterr().out
+
+
+def test_repro_prints_the_interpreter_that_runs_the_script(monkeypatch, tmp_path):
+    """`divtrace repro` names the interpreter to run the script with: `python` when that is the one on PATH (an
+    activated venv), else its full path (the vLLM venv's, run as .venv-vllm/bin/divtrace)."""
+    import os
+    import sys
+
+    from divtrace.repro.interpreter import run_command
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no python on PATH at all
+    assert run_command(tmp_path / "repro.py") == f"{sys.executable} {tmp_path / 'repro.py'}"
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
+    assert run_command(tmp_path / "repro.py") == f"python {tmp_path / 'repro.py'}"
