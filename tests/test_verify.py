@@ -207,6 +207,8 @@ def test_profile_prints_ratios(repros, tmp_path, capsys):
                          "--trials", "1", "--profile")
     p = res["profile"]
     assert set(p["candidates"]) == {"side a", "side b", "patch"} and p["timer"] == "perf_counter" and p["threads"] == 1
+    assert set(p["kernel"]["candidates"]) == {"side a", "side b", "patch", "side a (again)"}
+    assert all(c["kernel_median_s"] > 0 for c in p["candidates"].values()) and p["kernel"]["noise_band_pct"]
     for c in p["candidates"].values():
         assert {"median_s", "iqr_pct", "gb_per_s", "gflop_per_s", "top_ops"} <= set(c) and c["flops"] > 0
         # the profiler table agrees with the median: each op's us/iter is its share of the median, so the
@@ -224,7 +226,8 @@ def test_profile_waits_for_the_bitwise_checks(repros, tmp_path, capsys):
     assert "not profiled: the bitwise checks FAILED" in capsys.readouterr().out
     assert main(["verify", str(repros["split_k"]), "--trials", "1", "--force-profile"]) == 1
     out = capsys.readouterr().out
-    assert "side b throughput: " in out and "% of side a; time per call: " in out and "profiled although" in out
+    assert "side b throughput (kernel time): " in out and "% of side a; time per call: " in out
+    assert "profiled although" in out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -64,13 +64,35 @@ def test_profile_prints_ratios(generated, capsys):
     capsys.readouterr()
     assert main(["verify", str(repro), "--patch", f"{fixes}:side_b", "--side", "b", "--trials", "1",
                  "--profile"]) == 0
-    out = capsys.readouterr().out
-    assert "patch throughput: " in out and "% of side b (the side it replaces)" in out and "% of side a" in out
+    out = " ".join(capsys.readouterr().out.split())
     # throughput and time per call, and they agree (time = 1 / throughput)
-    m = re.search(r"patch throughput: (\d+)% of side b \(the side it replaces\), (\d+)% of side a; "
+    m = re.search(r"patch throughput \(kernel time\): (\d+)% of side b \(the side it replaces\), (\d+)% of side a; "
                   r"time per call: ([\d.]+)x side b, ([\d.]+)x side a", out)
     assert m, out[-1500:]
     assert float(m.group(3)) == pytest.approx(100 / int(m.group(1)), rel=0.02, abs=0.01)
+    assert re.search(r"noise band: \d+%-\d+% \(side a against itself", out), out[-1500:]
+
+
+def test_a_patch_written_differently_that_runs_the_same_kernels_reads_about_100_percent(generated, capsys):
+    """Issue 26 snag 2: the rmsnorm fix (`param * mul_out.to(param.dtype)`, tensor methods) runs the kernels side a
+    runs (`torch.ops.aten._to_copy.default`, `torch.ops.aten.mul.Tensor`), and read 150-158% of side a: the
+    generated code's per-op Python, not the kernels. Kernel time must put it at about 100%."""
+    repro, fixes = generated
+    if "rmsnorm_cast" not in str(repro):
+        pytest.skip("the rmsnorm fix is the one that runs side a's kernels")
+    src = (repro / "repro.py").read_text()
+    assert "torch.ops.aten.mul.Tensor(" in src and "param * mul_out.to(" in (fixes.read_text())  # written otherwise
+    code, res = _run(capsys, repro, "--patch", f"{fixes}:side_b", "--side", "b", "--trials", "1", "--profile")
+    assert code == 0
+    k = res["profile"]["kernel"]
+    per = {c: v["per_round_us"] for c, v in k["candidates"].items()}
+    assert set(per) == {"side a", "side b", "patch", "side a (again)"} and all(len(v) == k["rounds"] for v in per.values())
+    from divtrace.verify.profile import kernel_ratios
+
+    (_, _, vs_b), (_, against, vs_a) = kernel_ratios(k, "b")
+    assert against == "side a" and 75 <= vs_a <= 133, (vs_a, per, k["noise_band_pct"])
+    lo, hi = k["noise_band_pct"]
+    assert lo <= 100 <= hi or hi - lo < 5  # side a against itself straddles 100% (unless the band is razor-thin)
 
 
 def test_a_crash_is_exit_2_and_verify_says_error_not_still_differs(generated, tmp_path, capsys):
