@@ -69,6 +69,8 @@ def test_batch_dependent_matmul_is_named_with_its_rows(down_proj_traces, mode):
     assert "batch_invariance" not in f
     assert [r["op"] for r in f["region_a"]].count("aten.mm.default") == 1
     assert [r["op"] for r in f["region_b"]].count("aten.mm.default") == 2
+    if mode == "full":  # HF's output is named logits: the logprob figures need no caveat
+        assert d["final"]["kl"] is not None and d["final"]["caveat"] is None
     tok = f["token"]
     assert tok["position"] == FIRST_DECODED and tok["b"] == {"call": 1, "row": 0, "batch_row": 0, "col": 0}
     assert tok["a"]["call"] == 0 and tok["a"]["col"] == FIRST_DECODED

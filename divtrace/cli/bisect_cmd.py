@@ -48,11 +48,15 @@ def render_token_parts(o: Output, d: dict) -> None:
         for k, label in (("max_abs_logprob_diff", "max |dlogprob| (next token)"),
                          ("mean_abs_logprob_diff", "mean |dlogprob|"),
                          ("kl", f"KL({fin.get('kl_direction', 'a||b')}) mean per token"),
-                         ("kl_reverse", "KL reverse, mean per token"), ("kl_k3", "k3 KL (mean)"),
-                         ("token_mult_prob_error", "token_mult_prob_error")):
+                         ("kl_reverse", "KL reverse, mean per token"),
+                         ("kl_k3", "k3 KL estimate (mean of e^r - 1 - r)"),
+                         ("token_mult_prob_error", "token_mult_prob_error (mean of e^|r|)")):
             if fin.get(k) is not None:
                 rows.append([label, fin[k]])
-        o.table("final mismatch per shared token (root output logits)", ["metric", "value"], rows)
+        o.table("final mismatch per shared token (root output logits; r = logp_train - logp_infer of the next "
+                "token; docs/numbers.md)", ["metric", "value"], rows)
+        if fin.get("caveat"):
+            o.line(f"caveat: {fin['caveat']}")
 
 
 def render_bisect(o: Output, r) -> None:
@@ -140,6 +144,8 @@ def render_bisect(o: Output, r) -> None:
                  ["max |dlogprob|", fin.get("max_abs_logprob_diff")],
                  [f"KL({fin.get('kl_direction', 'a||b')}) per position", fin.get("kl")],
                  ["argmax agreement", fin.get("argmax_agreement")]])
+        if fin.get("caveat"):
+            o.line(f"caveat: {fin['caveat']}")
 
 
 def bisect(

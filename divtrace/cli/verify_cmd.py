@@ -53,7 +53,8 @@ def render_checks(o: Output, res: dict) -> None:
     o.table("bitwise checks", ["check", "kind", "status", "mismatched", "max ULP", "shapes", "detail"], rows)
     ref = [c for c in checks if c["kind"] == "reference"]
     if ref:
-        o.table("fp64 reference (max abs error; gate: err_patch <= 2 * max(err_a, err_b) + floor)",
+        o.table("fp64 reference (max abs error; gate: err_patch <= 2 * max(err_a, err_b) + floor; floor = 2 ULPs "
+                "of the output's largest value, what rounding the result alone can cost: docs/numbers.md)",
                 ["inputs", "status", "err a", "err b", "err patch", "floor", "bound"],
                 [[c["name"].removeprefix("reference "), c["status"], c.get("err_a"), c.get("err_b"), c.get("err_patch"),
                   c.get("floor"), c.get("bound")] for c in ref])
