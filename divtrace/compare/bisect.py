@@ -481,7 +481,7 @@ def _final(a: Trace, b: Trace, pairing: Pairing, cmp: ValueComparator) -> dict |
     if cmp.values_available:
         from divtrace.compare.final import logprob_mismatch  # imports torch: only where there are values
 
-        out.update(logprob_mismatch(a.tensor(va), b.tensor(vb), a.label, b.label))
+        out.update(logprob_mismatch(a.tensor(va), b.tensor(vb), a.label, b.label, name=key))
     else:
         out.update({"max_abs_logprob_diff": None, "kl": None, "argmax_agreement": None})
     return out
