@@ -119,3 +119,13 @@ def test_wheel_ships_the_skill(tmp_path):
     packaged = {f"divtrace/skill/divtrace/{p.relative_to(skill_source()).as_posix()}"
                 for p in skill_source().rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     assert "divtrace/skill/divtrace/SKILL.md" in packaged and packaged <= names
+
+
+def test_install_in_this_checkout_leaves_nothing_untracked():
+    """Issue 26 snag 10: `divtrace skill install` (default dirs) in a clone of divtrace left untracked .claude/ and
+    .agents/; both are ignored by the project's .gitignore."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and a git checkout")
+    for d in (".claude/skills/divtrace/SKILL.md", ".agents/skills/divtrace/references/causes.md"):
+        p = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", d], capture_output=True)
+        assert p.returncode == 0, f"{d} is not ignored by .gitignore"

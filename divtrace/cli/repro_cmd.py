@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from divtrace.cli.bisect_cmd import MAP_HELP
 from divtrace.cli.output import Output
 
 
@@ -15,7 +16,7 @@ def repro(
     out: Annotated[Path, typer.Option("--out", "-o", help="directory to write repro.py and its data into")],
     at: Annotated[Optional[int], typer.Option("--at", help="record index of side a (an op or a module call's "
                                                           "exit) to reproduce instead of the first divergence")] = None,
-    map_file: Annotated[Optional[Path], typer.Option("--map", help="YAML regex renames of module paths")] = None,
+    map_file: Annotated[Optional[Path], typer.Option("--map", help=MAP_HELP)] = None,
     imports: Annotated[Optional[list[str]], typer.Option("--import", help="module that defines a custom op the "
                                                                           "region calls (repeatable)")] = None,
     overwrite: Annotated[bool, typer.Option(help="replace a repro already in --out")] = False,
