@@ -2,8 +2,10 @@
 
 The training side always behaves like HF eager Llama (bf16 weights and activations, fp32 only where HF uses it).
 The inference side is the same model with exactly one documented numeric difference switched on (or all of
-them, for the demo). The ids refer to /work/shared/knowledge/mismatch-causes.md. The "origin" is the module
-whose inputs still agree bitwise but whose output doesn't; "own code" means the module's own ops, not a child's.
+them, for the demo). The ids (C1...) refer to the catalogue of known causes that ships with divtrace:
+divtrace/skill/divtrace/references/causes.md (`cat "$(divtrace skill path)/references/causes.md"`). The "origin" is
+the module whose inputs still agree bitwise but whose output doesn't; "own code" means the module's own ops, not
+a child's.
 
   none                     control: inference runs the training code, so the results are bitwise identical.
   rmsnorm_cast (C1)        RMSNorm `(w.float() * x_hat).to(dtype)` instead of HF's `w * x_hat.to(dtype)`, in every
