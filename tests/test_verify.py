@@ -201,7 +201,7 @@ def test_profile_prints_ratios(repros, tmp_path, capsys):
                  "--trials", "1", "--profile"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "% of side b (the side it replaces)" in out and "% of side a" in out
+    assert "% of side b, the side it replaces" in out and "% of side a" in out
     assert "GB/s" in out and "copy bandwidth measured in this run" in out and "top ops" in out
     code, res = run_json(capsys, repros["split_k"], "--patch", write_patch(tmp_path, "split_k_right"), "--side", "b",
                          "--trials", "1", "--profile")
@@ -226,7 +226,7 @@ def test_profile_waits_for_the_bitwise_checks(repros, tmp_path, capsys):
     assert "not profiled: the bitwise checks FAILED" in capsys.readouterr().out
     assert main(["verify", str(repros["split_k"]), "--trials", "1", "--force-profile"]) == 1
     out = capsys.readouterr().out
-    assert "side b throughput (kernel time): " in out and "% of side a; time per call: " in out
+    assert "side b kernel throughput: " in out and "% of side a (time per call " in out
     assert "profiled although" in out
 
 

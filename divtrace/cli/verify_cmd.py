@@ -107,15 +107,15 @@ def render_profile(o: Output, res: dict) -> None:
     rs = kernel_ratios(k, patched)
     if patched:
         (who, a1, r1), (_, a2, r2) = rs
-        o.line(f"{who} throughput (kernel time): {r1:.0f}% of {a1} (the side it replaces), {r2:.0f}% of {a2}; "
-               f"time per call: {100 / r1:.2f}x {a1}, {100 / r2:.2f}x {a2}")
+        o.line(f"{who} kernel throughput: {r1:.0f}% of {a1}, the side it replaces (time per call {100 / r1:.2f}x); "
+               f"{r2:.0f}% of {a2} ({100 / r2:.2f}x)")
     else:
         who, a1, r1 = rs[0]
-        o.line(f"{who} throughput (kernel time): {r1:.0f}% of {a1}; time per call: {100 / r1:.2f}x {a1}")
+        o.line(f"{who} kernel throughput: {r1:.0f}% of {a1} (time per call {100 / r1:.2f}x)")
     band = k.get("noise_band_pct")
     if band:
-        o.line(f"noise band: {band[0]:.0f}%-{band[1]:.0f}% (side a against itself over the same rounds): a ratio "
-               "inside it is no measurable difference")
+        o.line(f"noise band: {band[0]:.0f}%-{band[1]:.0f}% (side a against itself, same rounds): a ratio inside it is "
+               "no measurable difference")
     walls = ", ".join(f"{100 / r:.2f}x {a}" for _, a, r in ratios(c, patched))
     o.line(f"wall time per call, kernels plus the Python that calls them: {rs[0][0]} {walls}")
     rows = [[name, e["op"], f"{e['calls_per_iter']:g}", f"{e['self_us_per_iter']:.1f}", f"{e['share_pct']:.0f}"]
