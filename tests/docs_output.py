@@ -59,7 +59,8 @@ MACHINE_DEPENDENT = [
     ("audit: ops found", r"AUDIT: \d+ ops, {int} not batch-invariant, {int} not deterministic"),
     ("audit: where rows differ", r"rows differ at M=\[{ints}\] \(checked M=\[[\d, ]+\]\); {int} of \d+ rows; "
                                  r"max ULP {int}; <N> of the replay time"),
-    ("audit: tokens reached", r"tokens reached: positions {positions}"),
+    ("audit: tokens reached", r"tokens reached: positions {positions}(?: in \d+ sequences)?"),
+    ("audit: findings", r"FAILED: findings: {int} op groups \({int} ops not batch-invariant, {int} not deterministic\)"),
 ]
 
 # `bisect --json` keys whose values may differ by machine (dotted paths from the top): the kind must match
