@@ -100,7 +100,10 @@ def test_json_doc_lists_the_token_keys(down_proj_traces):
     top = keys["Top level"] | keys["Token-aligned top level"]
     assert set(d) == top
     first = next(v for k, v in keys.items() if k.startswith("`first`")) | keys["Token-aligned `first`"]
-    assert set(d["first"]) == first and set(d["origins"][0]) == first | {"tokens"}
+    # batch_invariance only where the sides ran the same ops (not this split-K plant: test_token_align above)
+    optional = {"batch_invariance"}
+    assert set(d["first"]) <= first and first - set(d["first"]) <= optional, first ^ set(d["first"])
+    assert set(d["origins"][0]) <= first | {"tokens"} and (first | {"tokens"}) - set(d["origins"][0]) <= optional
     assert set(d["final"]) == keys["Token-aligned `final`"]
 
 

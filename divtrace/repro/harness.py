@@ -21,7 +21,7 @@ def _crashed(kind, exc, tb):
         pass
     hint = ""
     if wrote and wrote.get("executable") and wrote["executable"] != sys.executable:
-        hint = f"; divtrace wrote it under {wrote['executable']} (torch {wrote.get('torch')}): run it with that"
+        hint = f"; it was written under {wrote['executable']} (torch {wrote.get('torch')}): run it with that"
     print(f"repro.py: cannot run under {sys.executable}: {kind.__name__}: {exc}{hint} (exit 2: the script failed; "
           "exit 1 would mean the sides differ)", file=sys.stderr)
     sys.stdout.flush()
