@@ -2,8 +2,10 @@
 
 The training side always behaves like HF eager Llama (bf16 weights and activations, fp32 only where HF uses it).
 The inference side is the same model with exactly one documented numeric difference switched on (or all of
-them, for the demo). The ids refer to /work/shared/knowledge/mismatch-causes.md. The "origin" is the module
-whose inputs still agree bitwise but whose output doesn't; "own code" means the module's own ops, not a child's.
+them, for the demo). The ids (C1...) refer to the catalogue of known causes that ships with divtrace:
+divtrace/skill/divtrace/references/causes.md (`cat "$(divtrace skill path)/references/causes.md"`). The "origin" is
+the module whose inputs still agree bitwise but whose output doesn't; "own code" means the module's own ops, not
+a child's.
 
   none                     control: inference runs the training code, so the results are bitwise identical.
   rmsnorm_cast (C1)        RMSNorm `(w.float() * x_hat).to(dtype)` instead of HF's `w * x_hat.to(dtype)`, in every
@@ -277,6 +279,14 @@ def training(dtype: str = "bf16", seed: int = 0, **cfg: Any) -> tuple[nn.Module,
 def inference(dtype: str = "bf16", variant: str = "all", seed: int = 0, **cfg: Any) -> tuple[nn.Module, tuple]:
     model = build("inference", dtype, variant, seed, **cfg)
     return model, (make_inputs(model.cfg, seed),)
+
+
+def inference_compiled(dtype: str = "bf16", variant: str = "none", seed: int = 0,
+                       **cfg: Any) -> tuple[nn.Module, tuple]:
+    """The inference side under torch.compile (Inductor), for `divtrace record --compiled` (docs/compiled.md). With
+    the default variant `none` the only difference from `training` is the compiler."""
+    model, inputs = inference(dtype, variant, seed, **cfg)
+    return torch.compile(model), inputs
 
 
 if __name__ == "__main__":

@@ -2,12 +2,20 @@
 # The whole divtrace loop on the bundled example (RMSNorm cast order, bf16), checking every exit code:
 # record both sides -> bisect -> repro -> verify the unchanged side (fails) -> verify a fix with trials, a shape
 # sweep and profiling (passes) -> a batch-size-only fix (fails on the sweep) -> re-verify end to end (passes).
-# Usage: bash examples/worked_example.sh [WORKDIR]     (needs `divtrace` on PATH, e.g. after scripts/setup.sh)
+# Usage: bash examples/worked_example.sh [WORKDIR]     (after scripts/setup.sh; the venv need not be activated)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 W="${1:-runs/worked}"
-DT="${DIVTRACE:-divtrace}"
-PY="${PYTHON:-python}"
+# The venv scripts/setup.sh made (as demo.sh and test.sh use it), else whatever is on PATH.
+VENV="${DIVTRACE_VENV:-.venv}"
+if [ -x "$VENV/bin/divtrace" ]; then DT_DEFAULT="$VENV/bin/divtrace"; PY_DEFAULT="$VENV/bin/python"
+else DT_DEFAULT=divtrace; PY_DEFAULT=python; fi
+DT="${DIVTRACE:-$DT_DEFAULT}"
+PY="${PYTHON:-$PY_DEFAULT}"
+if ! command -v "$DT" >/dev/null 2>&1; then
+    echo "worked example: no divtrace at $VENV/bin/divtrace nor on PATH: run bash scripts/setup.sh first" >&2
+    exit 2
+fi
 rm -rf "$W" && mkdir -p "$W"
 step() { echo; echo "== $*"; }
 expect() {  # expect CODE command...: run it and fail the script unless it exits with CODE

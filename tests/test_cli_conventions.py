@@ -122,3 +122,32 @@ def test_columns_respected_when_not_a_terminal(capsys, monkeypatch):
     monkeypatch.delenv("COLUMNS")
     Output().table("t", ["c"], [row])
     assert max(map(len, capsys.readouterr().out.splitlines())) <= 120  # not a terminal, no COLUMNS: 120
+
+
+def _help_texts(cmd) -> list[str]:
+    return [cmd.help or ""] + [getattr(p, "help", None) or "" for p in cmd.params]
+
+
+def _options(cmd) -> set[str]:
+    return {o for p in cmd.params for o in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))}
+
+
+def test_every_flag_a_help_text_names_exists():
+    """Issue 26 snag 10: `record --help` spoke of "--ops is not forced" while only --no-ops exists. A `--flag` in
+    any help text must be an option of some command, or of the repro script (`python DIR/repro.py --trials N`)."""
+    known = {"--help"} | {o for _, c in COMMANDS for o in _options(c)}
+    known |= {"--trials", "--seed", "--fidelity", "--json", "--device"}  # repro.py's own (divtrace/repro/harness.py)
+    bad = [(" ".join(path), flag) for path, c in COMMANDS for text in _help_texts(c)
+           for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text) if flag not in known]
+    assert not bad, bad
+
+
+def test_map_help_names_the_shipped_maps():
+    from pathlib import Path
+
+    shipped = sorted(p.stem for p in (Path(divtrace.__file__).parent / "maps").glob("*.yaml"))
+    assert "vllm-hf" in shipped
+    for path, c in COMMANDS:
+        for p in c.params:
+            if "--map" in getattr(p, "opts", ()):
+                assert all(name in p.help for name in shipped), (path, p.help)

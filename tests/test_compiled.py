@@ -15,6 +15,7 @@ import torch
 import divtrace
 from divtrace.errors import DivtraceError
 
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 
 
 def _llama():
@@ -130,6 +131,59 @@ def test_ops_inside_compiled_code_is_a_one_line_error(tmp_path):
     with pytest.raises(DivtraceError, match="ops=False .* compiled=False"):
         divtrace.record(m, tmp_path / "t", ops=True, compiled=True)
     assert not (tmp_path / "t").exists()
+
+
+def test_compiled_true_on_a_model_that_is_not_compiled_is_refused(tmp_path, capsys):
+    """Issue 26 snag 1: `record --compiled` of an uncompiled ENTRY recorded eager code labelled "compiled"."""
+    from divtrace.cli.app import main
+
+    with pytest.raises(DivtraceError, match="no module of the model is torch.compile'd"):
+        divtrace.record(MLP(), tmp_path / "t", mode="hash", compiled=True)
+    assert not (tmp_path / "t").exists()
+    entry = f"{ROOT / 'examples' / 'llama_pair.py'}:inference"
+    capsys.readouterr()
+    assert main(["record", entry, "--out", str(tmp_path / "c"), "--compiled", "--mode", "hash"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("divtrace: error: compiled=True (--compiled)") and "\n" not in err, err
+    assert not (tmp_path / "c" / "meta.json").exists()
+
+
+def test_compiled_code_that_did_not_run_is_not_labelled_compiled(tmp_path):
+    """compiled=True on a compiled model whose compiled code never ran inside the block (here a force_eager
+    stance; TORCHDYNAMO_DISABLE=1 does the same): the module boundaries recorded are eager code."""
+    c = torch.compile(MLP())
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"), \
+            divtrace.record(c, tmp_path / "t", mode="hash", compiled=True):
+        c(torch.randn(2, 16))
+    meta = _meta(tmp_path / "t")
+    assert meta["compiled"]["recorded"] == "eager" and meta["settings"]["torch_compile"] is None
+    assert meta["granularity"] == "modules" and meta["compiled"]["taps_run"] == 6
+    assert not any("inside the compiled code (compiled=True)" in w for w in meta["warnings"])
+
+
+def test_docs_record_compiled_with_an_entry_that_compiles():
+    """Every documented `record ... --compiled` names an ENTRY that returns a compiled model (no compilation
+    happens here: torch.compile is lazy)."""
+    import re
+    import shlex
+
+    from divtrace.record.compiled.paths import compiled_regions
+    from divtrace.record.entry import build_from_entry, parse_args
+
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+            *sorted((ROOT / "divtrace" / "skill" / "divtrace").rglob("*.md"))]
+    found = 0
+    for doc in docs:
+        for line in doc.read_text().splitlines():
+            m = re.search(r"divtrace record (examples/\S+) (.*--compiled\b.*)", line.strip(" `"))
+            if not m:
+                continue
+            argv = shlex.split(m.group(2).split("#")[0])
+            args = parse_args([argv[i + 1] for i, a in enumerate(argv) if a == "--arg"])
+            model, _ = build_from_entry(str(ROOT / m.group(1)), args)
+            assert compiled_regions(model), f"{doc.name}: {line.strip()}: the ENTRY's model is not compiled"
+            found += 1
+    assert found >= 1
 
 
 def test_compiled_false_records_the_eager_code_that_ran(tmp_path):

@@ -10,10 +10,17 @@ directory per document (with `examples/` linked in): `divtrace ...` lines in-pro
 subprocesses. A line expects exit 0 unless it ends with a comment `# exit N`. A block preceded by
 `<!-- divtrace-example: file NAME -->` is written to NAME in that directory when the run reaches it (a patch the
 doc shows, say). A ```text block preceded by `<!-- divtrace-example: output -->` is output the doc shows: each of
-its lines (but `...`) must be a line the commands run since the last such block printed, with timings and
-percentages free to differ and table padding ignored (see `_normal`); a ```json block so marked must agree with
-the last `--json` output on every value it shows (a list may end with "..."). The output is rendered at
-COLUMNS=120, as the docs show it.
+its lines (but `...`) must be a line the commands run since the last such block printed; a ```json block so marked
+must agree with the last `--json` output on every value it shows (a list may end with "..."). What in a line is
+fixed and what may differ on another machine (mismatch counts, ULPs, KL and logprob digits, ...) is listed in
+tests/docs_output.py; timings and percentages are free, table padding is ignored. The output is rendered at
+COLUMNS=120, as the docs show it, with the venv's bin first on PATH (as after `source .venv/bin/activate`).
+
+Each output block is also checked against two edits of itself (`_check_sensitivity`): with the last digit of every
+machine-dependent figure changed (another machine) it must still pass; with a module, an op, a verdict, a total or
+a record index changed (drift) it must fail. Set DIVTRACE_DRIFT_DUMP=DIR to keep what the commands printed for each
+output block (scripts/simulate_machines.py compares runs under other CPU capabilities, thread counts and without
+the C extensions).
 
 `repro` and `verify` are registered only once their modules exist; until then the checks that need them are
 expected failures (xfail, not strict) that turn into passes on their own.
@@ -29,9 +36,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import os
+
 import pytest
 import typer
 
+import docs_output
 from divtrace.cli.app import app, main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -250,7 +260,8 @@ def _argv_of(line: str) -> tuple[list[str], int]:
     return shlex.split(line), code
 
 
-_RECORDED: dict[tuple, Path] = {}  # identical `divtrace record` lines in several documents are recorded once
+_RECORDED: dict[tuple, tuple] = {}  # identical `divtrace record` lines in several documents are recorded once:
+# argv -> (the trace, what the command printed)
 
 
 def _out_dir(argv: list[str]) -> Path | None:
@@ -266,13 +277,13 @@ def _run_line(argv: list[str], cwd: Path, capsys) -> tuple[int, str, str]:
         out = _out_dir(argv) if argv[1:2] == ["record"] else None
         key = tuple(argv)
         if out is not None and key in _RECORDED and not (cwd / out).exists():
-            shutil.copytree(_RECORDED[key], cwd / out)
-            return 0, "", ""
+            shutil.copytree(_RECORDED[key][0], cwd / out)
+            return 0, *_RECORDED[key][1:]
         capsys.readouterr()
         rc = main(argv[1:])
         captured = capsys.readouterr()
         if out is not None and rc == 0:
-            _RECORDED[key] = cwd / out
+            _RECORDED[key] = (cwd / out, captured.out, captured.err)
         return rc, captured.out, captured.err
     if argv[0] == "python":
         r = subprocess.run([sys.executable, *argv[1:]], cwd=cwd, capture_output=True, text=True, timeout=600)
@@ -296,7 +307,9 @@ def run_blocks(doc: Path, blocks: list[Block], cwd: Path, capsys) -> None:
     printed, last_json = [], None
     for b in blocks:
         if b.output:
+            _dump(doc, b, "".join(printed), last_json)
             check_output(doc, b, "".join(printed), last_json)
+            _check_sensitivity(doc, b, "".join(printed), last_json)
             printed = []
             continue
         if b.file is not None:
@@ -316,52 +329,59 @@ def run_blocks(doc: Path, blocks: list[Block], cwd: Path, capsys) -> None:
                 printed.append(out + err)
 
 
-# a number with a unit of time, a rate, a size or a percentage: what differs from run to run
-_VOLATILE = re.compile(r"-?\d+(\.\d+)?(e-?\d+)?\s?(s|ms|us|µs|MB|GB/s|%|x)(?=\W|$)")
-
-
 def _normal(line: str) -> str:
-    """A line with its volatile figures replaced and runs of spaces (table padding) collapsed."""
-    return " ".join(_VOLATILE.sub("<N>", line).split())
-
-
-def _json_agrees(shown, real, where="") -> list[str]:
-    if isinstance(shown, dict):
-        if not isinstance(real, dict):
-            return [f"{where}: the doc shows an object, the output has {type(real).__name__}"]
-        bad = [f"{where}.{k}: not in the output" for k in shown if k not in real]
-        return bad + [p for k in shown if k in real for p in _json_agrees(shown[k], real[k], f"{where}.{k}")]
-    if isinstance(shown, list):
-        if not isinstance(real, list):
-            return [f"{where}: the doc shows a list, the output has {type(real).__name__}"]
-        cut = next((i for i, x in enumerate(shown) if isinstance(x, str) and x.startswith("...")), None)
-        if cut is None and len(shown) != len(real):
-            return [f"{where}: {len(shown)} entries shown, {len(real)} in the output"]
-        return [p for i, x in enumerate(shown[:cut]) for p in _json_agrees(x, real[i] if i < len(real) else None,
-                                                                           f"{where}[{i}]")]
-    if isinstance(shown, float) and isinstance(real, (int, float)) and not isinstance(real, bool):
-        return [] if real == pytest.approx(shown, rel=5e-3) else [f"{where}: doc {shown}, output {real}"]
-    return [] if shown == real else [f"{where}: doc {shown!r}, output {real!r}"]
+    return docs_output.normal(line)
 
 
 def check_output(doc: Path, block: Block, printed: str, last_json) -> None:
     text = "\n".join(t for _, t in block.lines)
     if block.lang == "json":
         assert last_json is not None, f"{doc.name}:{block.line}: a JSON output block with no --json run before it"
-        problems = _json_agrees(json.loads(text), last_json)
+        problems = docs_output.json_agrees(json.loads(text), last_json)
         assert not problems, f"{doc.name}:{block.line}: the JSON shown is not what bisect wrote: {problems[:5]}"
         return
-    real = {_normal(x) for x in printed.splitlines()}
-    missing = [(n, t) for n, t in block.lines if t.strip() and t.strip() != "..." and _normal(t) not in real]
+    missing = docs_output.missing_lines(block.lines, printed)
     assert not missing, (f"{doc.name}:{missing[0][0]}: this output line was not printed by the commands above it:\n"
                          + "\n".join(f"{n}: {t}" for n, t in missing)
                          + f"\n--- what they printed ---\n{printed[-6000:]}")
+
+
+def _check_sensitivity(doc: Path, block: Block, printed: str, last_json) -> None:
+    """The check passes this block as if printed on another machine (the last digit of every machine-dependent
+    figure changed) and fails it for real drift (a module, op, verdict, total or record index changed)."""
+    if block.lang == "json":
+        shown = json.loads("\n".join(t for _, t in block.lines))
+        other = docs_output.json_as_on_another_machine(shown)
+        assert other != shown, f"{doc.name}:{block.line}: no machine-dependent value to perturb"
+        assert docs_output.json_agrees(other, last_json) == [], f"{doc.name}:{block.line}: another machine fails"
+        for name, bad in docs_output.json_drifted(shown).items():
+            assert docs_output.json_agrees(bad, last_json), f"{doc.name}:{block.line}: a changed {name} passes"
+        return
+    other = [(n, docs_output.as_on_another_machine(t) or t) for n, t in block.lines]
+    assert docs_output.missing_lines(other, printed) == [], (
+        f"{doc.name}:{block.line}: the block with its machine-dependent figures perturbed (another machine) fails")
+    drifts = docs_output.drifted(block.lines)
+    assert drifts or not doc.is_relative_to(ROOT), \
+        f"{doc.name}:{block.line}: shows no module, op, verdict, total or record index to check"
+    for name, bad in drifts.items():
+        assert docs_output.missing_lines(bad, printed), f"{doc.name}:{block.line}: a changed {name} still passes"
+
+
+def _dump(doc: Path, block: Block, printed: str, last_json) -> None:
+    where = os.environ.get("DIVTRACE_DRIFT_DUMP")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        name = f"{doc.relative_to(ROOT)}:{block.line}".replace("/", "__")
+        (Path(where) / f"{name}.json").write_text(json.dumps(
+            {"doc": str(doc.relative_to(ROOT)), "line": block.line, "lang": block.lang,
+             "shown": [t for _, t in block.lines], "printed": printed, "json": last_json}))
 
 
 @pytest.mark.parametrize("doc,blocks", list(_run_params()))
 def test_example_blocks_run(doc, blocks, tmp_path, monkeypatch, capsys):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     monkeypatch.setenv("COLUMNS", "120")
+    monkeypatch.setenv("PATH", os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     monkeypatch.chdir(tmp_path)
     run_blocks(doc, blocks, tmp_path, capsys)
 
@@ -472,5 +492,75 @@ def test_output_check_catches_drift(tmp_path, monkeypatch, capsys):
     with pytest.raises(AssertionError, match="was not printed by the commands above it"):
         run_blocks(doc, extract(doc)[1], tmp_path, capsys)
     assert _normal("│ side a    │ 7.0 us │ 96% of b │") == _normal("│ side a │ 12.5 us │ 101% of b │")
-    assert _json_agrees({"a": [1, "..."], "b": 0.0155}, {"a": [1, 2, 3], "b": 0.01552, "c": 0}) == []
-    assert _json_agrees({"a": [2, "..."]}, {"a": [1, 2]}) == [".a[0]: doc 2, output 1"]
+    agrees = docs_output.json_agrees
+    assert agrees({"a": [1, "..."], "b": 3}, {"a": [1, 2, 3], "b": 3, "c": 0}) == []
+    assert agrees({"a": [2, "..."]}, {"a": [1, 2]}) == [".a[0]: doc 2, output 1"]
+    # machine-dependent values differ in their digits only; everything else exactly
+    assert agrees({"first": {"max_abs": 0.0155, "mismatched": 1081, "first_a_bits": "0x3e5f"}},
+                  {"first": {"max_abs": 0.01552, "mismatched": 1077, "first_a_bits": "0x3e60"}}) == []
+    assert agrees({"first": {"mismatched": 1081}}, {"first": {"mismatched": None}})  # gone is not a digit
+    assert agrees({"first": {"module": "a.b", "numel": 4096}}, {"first": {"module": "a.c", "numel": 4096}})
+    assert agrees({"first": {"numel": 4096}}, {"first": {"numel": 4097}})  # a total is fixed
+
+
+def test_machine_dependent_figures_are_named_by_their_line():
+    """What may vary is a figure in a known line, of a known kind; the labels, totals, modules and ops around it
+    stay fixed (tests/docs_output.py)."""
+    shown = [(1, "│ mismatched        │ 1081 of 4096 elements  │"),
+             (2, "│ max ULP           │ 1                      │"),
+             (3, "│ KL(train||infer) per position │ 1.33136e-06 │"),
+             (4, "│ 24     │ model.layers.0.self_attn.q_proj │ 0    │ propagated │ out    │ 0.00390625  │ 444     │")]
+    other_cpu = ("│ mismatched │ 1077 of 4096 elements │\n│ max ULP │ 2 │\n│ KL(train||infer) per position │ "
+                 "1.33355e-06 │\n│ 24 │ model.layers.0.self_attn.q_proj │ 0 │ propagated │ out │ 0.0078125 │ 431 │")
+    assert docs_output.missing_lines(shown, other_cpu) == []
+    for bad in ("1077 of 4097 elements", "model.layers.1.self_attn.q_proj", "│ 25 │", "│ identical │",
+                "per token │", "│ max ULP │ two │"):
+        old = {"1077 of 4097 elements": "1077 of 4096 elements", "model.layers.1.self_attn.q_proj":
+               "model.layers.0.self_attn.q_proj", "│ 25 │": "│ 24 │", "│ identical │": "│ propagated │",
+               "per token │": "per position │", "│ max ULP │ two │": "│ max ULP │ 2 │"}[bad]
+        assert docs_output.missing_lines(shown, other_cpu.replace(old, bad)), bad
+    # a line with no machine-dependent figure is compared whole: a count there is fixed
+    assert docs_output.missing_lines([(1, "FAILED: side_a and side_b differ on 6 of 6 input sets")],
+                                     "FAILED: side_a and side_b differ on 5 of 6 input sets")
+    assert docs_output.as_on_another_machine("│ mismatched │ 1081 of 4096 elements │") == \
+        "│ mismatched │ 1082 of 4096 elements │"
+    assert docs_output.as_on_another_machine("PASSED: verify: every check holds (1 recorded)") is None
+
+
+def _following_paragraph(doc: Path, block: Block) -> str:
+    """The prose right after a fenced block (its first paragraph)."""
+    lines = doc.read_text().splitlines()
+    i = block.lines[-1][0] + 1 if block.lines else block.line + 1  # the closing fence's line number (1-based)
+    out = []
+    for text in lines[i:]:
+        if not text.strip():
+            if out:
+                break
+            continue
+        if text.lstrip().startswith(("```", "<!--")):
+            break
+        out.append(text)
+    return " ".join(out)
+
+
+def _has_machine_figures(block: Block) -> bool:
+    if block.lang == "json":
+        try:
+            shown = json.loads("\n".join(t for _, t in block.lines))
+        except ValueError:
+            return False
+        return docs_output.json_as_on_another_machine(shown) != shown
+    return any(docs_output.figures(docs_output.normal(t)) for _, t in block.lines)
+
+
+def test_machine_dependent_figures_are_said_to_be():
+    """Where a doc shows figures that depend on the machine (tests/docs_output.py), the paragraph after it says so
+    ("Machine-dependent ..."), so that a reader on another CPU knows which digits to expect to differ."""
+    silent = []
+    for doc, _, _ in ALL:
+        blocks, _ = _blocks_and_prose(doc)
+        for b in blocks:
+            if b.lang in ("text", "json") and _has_machine_figures(b) and \
+                    "machine-dependent" not in _following_paragraph(doc, b).lower():
+                silent.append(f"{doc.relative_to(ROOT)}:{b.line}")
+    assert not silent, silent

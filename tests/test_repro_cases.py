@@ -297,7 +297,7 @@ def test_script_compiles_without_divtrace_names(tmp_path):
     src = (tmp_path / "r" / "repro.py").read_text()
     imported = {n.names[0].name.split(".")[0] for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Import)}
     imported |= {n.module.split(".")[0] for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)}
-    assert imported <= {"argparse", "json", "math", "sys", "pathlib", "torch", "safetensors"}
+    assert imported <= {"argparse", "json", "math", "os", "sys", "pathlib", "traceback", "torch", "safetensors"}
     assert 'if __name__ == "__main__":' in src and textwrap.dedent(src).count("sys.exit(main())") == 1
 
 

@@ -119,3 +119,58 @@ def test_wheel_ships_the_skill(tmp_path):
     packaged = {f"divtrace/skill/divtrace/{p.relative_to(skill_source()).as_posix()}"
                 for p in skill_source().rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     assert "divtrace/skill/divtrace/SKILL.md" in packaged and packaged <= names
+
+
+def test_install_in_this_checkout_leaves_nothing_untracked():
+    """Issue 26 snag 10: `divtrace skill install` (default dirs) in a clone of divtrace left untracked .claude/ and
+    .agents/; both are ignored by the project's .gitignore."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and a git checkout")
+    for d in (".claude/skills/divtrace/SKILL.md", ".agents/skills/divtrace/references/causes.md"):
+        p = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", d], capture_output=True)
+        assert p.returncode == 0, f"{d} is not ignored by .gitignore"
+
+
+INTERNAL_RECORD_KNOBS = {"shard_bytes", "extra_meta", "flush_records"}  # tuning for tests and benches, not documented
+
+
+@pytest.mark.parametrize("doc", ["divtrace/skill/divtrace/references/recording.md", "docs/contract.md"])
+def test_documented_record_signature_is_complete(doc):
+    """Issue 26 snag 5: the skill's API signature lacked compiled=, tokens=, token_layouts=."""
+    import inspect
+
+    import divtrace
+
+    text = " ".join((ROOT / doc).read_text().split())
+    m = re.search(r"`divtrace\.record\(model, path, \*, (.*?)\)`", text)
+    assert m, f"{doc}: no `divtrace.record(model, path, *, ...)` signature"
+    documented = {kw.split("=")[0].strip() for kw in m.group(1).split(", ")}
+    params = set(inspect.signature(divtrace.record).parameters) - {"model", "path"} - INTERNAL_RECORD_KNOBS
+    assert documented == params, (doc, sorted(params - documented), sorted(documented - params))
+
+
+def test_skill_covers_compiled_models():
+    """Issue 26 snag 5: references/recording.md said to disable torch.compile while recording; SKILL.md had no
+    compiled section."""
+    skill = (skill_source() / "SKILL.md").read_text()
+    rec = (skill_source() / "references" / "recording.md").read_text()
+    assert "**Compiled models.**" in skill and "--no-compiled" in skill and "inconclusive" in skill
+    assert "Compiled models" in rec and "compiled=False" in rec
+    assert not re.search(r"disable[^.]*torch\.compile", rec, re.S | re.I)
+
+
+def test_the_project_refers_to_nothing_outside_it():
+    """Issue 26 snag 6: examples/llama_pair.py pointed at an absolute path outside the project (a knowledge file users
+    do not have). What the project refers to ships inside it: the example's cause ids are the catalogue's."""
+    roots = [ROOT / "README.md", ROOT / "docs", ROOT / "examples", ROOT / "divtrace", ROOT / "scripts", ROOT / "bench"]
+    files = [p for r in roots for p in ([r] if r.is_file() else r.rglob("*"))
+             if p.is_file() and p.suffix in (".md", ".py", ".sh", ".yaml")]
+    bad = [str(p.relative_to(ROOT)) for p in files
+           if re.search(r"/work/|shared/knowledge|shared/CONTRACT", p.read_text(errors="replace"))]
+    assert not bad, bad
+    doc = (ROOT / "examples" / "llama_pair.py").read_text().split('"""')[1]
+    assert "references/causes.md" in doc
+    ids = set(re.findall(r"\((C\d+)\)", doc))
+    causes = (skill_source() / "references" / "causes.md").read_text()
+    headed = {i for line in causes.splitlines() if line.startswith("### ") for i in re.findall(r"C\d+", line)}
+    assert ids and ids <= headed, sorted(ids - headed)

@@ -64,7 +64,13 @@ def test_batch_dependent_matmul_is_named_with_its_rows(down_proj_traces, mode):
                                                               "aten.mm.default", "origin")
     # the trainer ran the matmul over both micro-batch rows (2 x 20), the decode step over the 2 sequences
     assert f["rows"] == {"a": 40, "b": 2}
-    assert f["batch_invariance"]["batch_invariant"] is False and "40 rows on a and 2 on b" in f["batch_invariance"]["note"]
+    # The decode step ran another algorithm (slice, mm, mm, add: split-K), not the trainer's mm at another batch
+    # size: no batch-invariance cause is stated (issue 26 snag 9); the fp32 test below, with one mm on each side, has it.
+    assert "batch_invariance" not in f
+    assert [r["op"] for r in f["region_a"]].count("aten.mm.default") == 1
+    assert [r["op"] for r in f["region_b"]].count("aten.mm.default") == 2
+    if mode == "full":  # HF's output is named logits: the logprob figures need no caveat
+        assert d["final"]["kl"] is not None and d["final"]["caveat"] is None
     tok = f["token"]
     assert tok["position"] == FIRST_DECODED and tok["b"] == {"call": 1, "row": 0, "batch_row": 0, "col": 0}
     assert tok["a"]["call"] == 0 and tok["a"]["col"] == FIRST_DECODED
@@ -94,7 +100,10 @@ def test_json_doc_lists_the_token_keys(down_proj_traces):
     top = keys["Top level"] | keys["Token-aligned top level"]
     assert set(d) == top
     first = next(v for k, v in keys.items() if k.startswith("`first`")) | keys["Token-aligned `first`"]
-    assert set(d["first"]) == first and set(d["origins"][0]) == first | {"tokens"}
+    # batch_invariance only where the sides ran the same ops (not this split-K plant: test_token_align above)
+    optional = {"batch_invariance"}
+    assert set(d["first"]) <= first and first - set(d["first"]) <= optional, first ^ set(d["first"])
+    assert set(d["origins"][0]) <= first | {"tokens"} and (first | {"tokens"}) - set(d["origins"][0]) <= optional
     assert set(d["final"]) == keys["Token-aligned `final`"]
 
 
@@ -119,7 +128,7 @@ def test_cli_names_the_token_and_the_batch_size_cause(down_proj_traces):
     assert rc == 1, err
     text = " ".join(out.split())
     assert "FAILED: diverged: first divergence originates in model.layers.1.mlp.down_proj call 0 op aten.mm.default" in text
-    assert f"at token position {FIRST_DECODED}" in text and "not batch-invariant" in text
+    assert f"at token position {FIRST_DECODED}" in text and "not batch-invariant" not in text
     assert "34 shared, 2 only in a, 0 only in b, 6 differ" in text
     rc, out, _ = _cli("bisect", train, roll, "--json")
     d = json.loads(out)

@@ -53,6 +53,28 @@ def test_unchanged_side_fails(repros, tmp_path, capsys, case, patch):
     assert all(c["status"] == "FAILED" for c in by_kind(res, "trial") + by_kind(res, "sweep"))
 
 
+def test_summary_counts_only_failures_and_ungated_reference_is_information(repros, tmp_path, capsys):
+    """Issue 26 snag 3: `FAILED: verify: 25 check(s) failed (1 recorded, 20 trial, 4 sweep, 4 reference)` while the
+    4 reference checks passed; and without --patch, `PASSED: reference ... (not gated)` read as a result."""
+    capsys.readouterr()
+    assert main(["verify", str(repros["rmsnorm_cast"]), "--trials", "3"]) == 1
+    out = capsys.readouterr().out
+    lines = [" ".join(x.split()) for x in out.splitlines()]
+    assert not any(x.startswith(("PASSED: reference", "FAILED: reference")) for x in lines), out
+    assert "info: reference (recorded inputs)" in " ".join(out.split())
+    last = " ".join(out.split()).rsplit("FAILED: verify:", 1)[1]
+    assert last.strip() == ("8 check(s) failed (1 recorded, 3 trial, 4 sweep); 4 reference not gated "
+                            "(information)"), last
+    code, res = run_json(capsys, repros["rmsnorm_cast"], "--trials", "3")
+    assert {c["status"] for c in by_kind(res, "reference")} == {"INFO"}
+    # a patch that fails bitwise but passes the fp64 gate: the reference checks count as passed, not failed
+    capsys.readouterr()
+    patch = write_patch(tmp_path, "rmsnorm_fp64")
+    assert main(["verify", str(repros["rmsnorm_cast"]), "--patch", patch, "--side", "b", "--trials", "2"]) == 1
+    last = " ".join(capsys.readouterr().out.split()).rsplit("FAILED: verify:", 1)[1].strip()
+    assert last == "7 check(s) failed (1 recorded, 2 trial, 4 sweep); 3 reference passed", last
+
+
 @pytest.mark.parametrize("case,patch", [("rmsnorm_cast", "rmsnorm_batch_only"), ("split_k", "split_k_batch_only")])
 def test_batch_size_only_fix_fails_on_the_sweep(repros, tmp_path, capsys, case, patch):
     code, res = run_json(capsys, repros[case], "--patch", write_patch(tmp_path, patch), "--side", "b", "--trials", "5")
@@ -179,12 +201,14 @@ def test_profile_prints_ratios(repros, tmp_path, capsys):
                  "--trials", "1", "--profile"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "% of side b (the side it replaces)" in out and "% of side a" in out
+    assert "% of side b, the side it replaces" in out and "% of side a" in out
     assert "GB/s" in out and "copy bandwidth measured in this run" in out and "top ops" in out
     code, res = run_json(capsys, repros["split_k"], "--patch", write_patch(tmp_path, "split_k_right"), "--side", "b",
                          "--trials", "1", "--profile")
     p = res["profile"]
     assert set(p["candidates"]) == {"side a", "side b", "patch"} and p["timer"] == "perf_counter" and p["threads"] == 1
+    assert set(p["kernel"]["candidates"]) == {"side a", "side b", "patch", "side a (again)"}
+    assert all(c["kernel_median_s"] > 0 for c in p["candidates"].values()) and p["kernel"]["noise_band_pct"]
     for c in p["candidates"].values():
         assert {"median_s", "iqr_pct", "gb_per_s", "gflop_per_s", "top_ops"} <= set(c) and c["flops"] > 0
         # the profiler table agrees with the median: each op's us/iter is its share of the median, so the
@@ -202,7 +226,8 @@ def test_profile_waits_for_the_bitwise_checks(repros, tmp_path, capsys):
     assert "not profiled: the bitwise checks FAILED" in capsys.readouterr().out
     assert main(["verify", str(repros["split_k"]), "--trials", "1", "--force-profile"]) == 1
     out = capsys.readouterr().out
-    assert "side b throughput: " in out and "% of side a; time per call: " in out and "profiled although" in out
+    assert "side b kernel throughput: " in out and "% of side a (time per call " in out
+    assert "profiled although" in out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -190,9 +190,20 @@ def _points():
 POINTS = _points()
 
 
+def _enter_rank(module: str) -> tuple[int, int]:
+    """Where a module's call starts in forward order: a module enters before its children (by POINTS)."""
+    first = min(i for i, pt in enumerate(POINTS) if pt[2] == module or pt[2].startswith(module + "."))
+    return first, module.count(".")
+
+
 def oracle(hf, vl, vl_tokens, hf_batches):
-    """The first point of POINTS, in forward order, where some shared token's row differs, and those tokens
-    ((seq, position) pairs). hf_batches: per HF call, the (seq, position) of each [b, t] row (None: padding)."""
+    """Where the runs first part, as bisect defines it by tokens: for each shared token the first point of POINTS,
+    in forward order, where its row differs; of those, the one whose module starts first in the forward pass (a
+    module before its children), then the earliest position. Returns that point and the tokens that part there
+    ((seq, position) pairs). Other tokens may part elsewhere first (a oneDNN fp32 matmul at some batch sizes on
+    some CPUs): bisect lists those among its `origins`. hf_batches: per HF call, the (seq, position) of each
+    [b, t] row (None: padding)."""
+    first_at = {}  # token -> the first point where its row differs
     for point in POINTS:
         name, k = point[0], point[1]
         rows_hf, rows_vl = {}, {}
@@ -205,10 +216,13 @@ def oracle(hf, vl, vl_tokens, hf_batches):
                 rows_vl[tok] = call[k][r]
         shared = sorted(set(rows_hf) & set(rows_vl))
         assert shared, point
-        differ = [tok for tok in shared if not torch.equal(rows_hf[tok], rows_vl[tok])]
-        if differ:
-            return point, differ
-    return None, []
+        for tok in shared:
+            if tok not in first_at and not torch.equal(rows_hf[tok], rows_vl[tok]):
+                first_at[tok] = point
+    if not first_at:
+        return None, []
+    point = min(first_at.values(), key=lambda pt: (_enter_rank(pt[2]), POINTS.index(pt)))
+    return point, sorted(tok for tok, pt in first_at.items() if pt == point)
 
 
 # -- the two runs -------------------------------------------------------------------------------------------

@@ -24,6 +24,14 @@ def _token_text(t: dict) -> str:
             f"b root call {t['b']['call']} row {t['b']['row']}")
 
 
+def _shipped_maps() -> list[str]:
+    return sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "maps").glob("*.yaml"))
+
+
+MAP_HELP = ("YAML file of regex renames of module paths, or the name of a map shipped with divtrace: "
+            + ", ".join(_shipped_maps()) + " (docs/vllm.md)")
+
+
 def render_token_parts(o: Output, d: dict) -> None:
     """The parts of a token-aligned result that a call-aligned one has not: tokens, rows, origins, final per token."""
     tk = d["tokens"]
@@ -48,11 +56,15 @@ def render_token_parts(o: Output, d: dict) -> None:
         for k, label in (("max_abs_logprob_diff", "max |dlogprob| (next token)"),
                          ("mean_abs_logprob_diff", "mean |dlogprob|"),
                          ("kl", f"KL({fin.get('kl_direction', 'a||b')}) mean per token"),
-                         ("kl_reverse", "KL reverse, mean per token"), ("kl_k3", "k3 KL (mean)"),
-                         ("token_mult_prob_error", "token_mult_prob_error")):
+                         ("kl_reverse", "KL reverse, mean per token"),
+                         ("kl_k3", "k3 KL estimate (mean of e^r - 1 - r)"),
+                         ("token_mult_prob_error", "token_mult_prob_error (mean of e^|r|)")):
             if fin.get(k) is not None:
                 rows.append([label, fin[k]])
-        o.table("final mismatch per shared token (root output logits)", ["metric", "value"], rows)
+        o.table("final mismatch per shared token (root output logits; r = logp_train - logp_infer of the next "
+                "token; docs/numbers.md)", ["metric", "value"], rows)
+        if fin.get("caveat"):
+            o.line(f"caveat: {fin['caveat']}")
 
 
 def render_bisect(o: Output, r) -> None:
@@ -140,6 +152,8 @@ def render_bisect(o: Output, r) -> None:
                  ["max |dlogprob|", fin.get("max_abs_logprob_diff")],
                  [f"KL({fin.get('kl_direction', 'a||b')}) per position", fin.get("kl")],
                  ["argmax agreement", fin.get("argmax_agreement")]])
+        if fin.get("caveat"):
+            o.line(f"caveat: {fin['caveat']}")
 
 
 def bisect(
@@ -149,7 +163,7 @@ def bisect(
     atol: Annotated[Optional[float], typer.Option(help="opt-in absolute tolerance")] = None,
     rtol: Annotated[Optional[float], typer.Option(help="opt-in relative tolerance")] = None,
     ulp: Annotated[Optional[int], typer.Option(help="opt-in tolerance in ULPs")] = None,
-    map_file: Annotated[Optional[Path], typer.Option("--map", help="YAML regex renames of module paths")] = None,
+    map_file: Annotated[Optional[Path], typer.Option("--map", help=MAP_HELP)] = None,
     next_n: Annotated[int, typer.Option("--next", help="how many further diverging records to list")] = 5,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write a PNG of where the runs part, per record")] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="write an HTML report of the same")] = None,

@@ -16,7 +16,8 @@ def record(
     mode: Annotated[Literal["full", "hash"], typer.Option(help="full (tensors) or hash (bit-exact fingerprints only)")] = "full",
     no_ops: Annotated[bool, typer.Option("--no-ops", help="record module boundaries only, not aten ops")] = False,
     compiled: Annotated[Optional[bool], typer.Option("--compiled/--no-compiled", help="record inside torch.compile'd "
-                        "code at module boundaries (default: when the model is compiled and --ops is not forced; "
+                        "code at module boundaries (default: when ENTRY returns a compiled model; --compiled on a "
+                        "model that is not compiled is refused; --no-compiled records its eager code op by op; "
                         "see docs/compiled.md)")] = None,
     include: Annotated[Optional[str], typer.Option(help="regex over module paths: record only these (and their children)")] = None,
     exclude: Annotated[Optional[str], typer.Option(help="regex over module paths: skip these subtrees")] = None,

@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from divtrace.cli.bisect_cmd import MAP_HELP
 from divtrace.cli.output import Output
 
 
@@ -15,7 +16,7 @@ def repro(
     out: Annotated[Path, typer.Option("--out", "-o", help="directory to write repro.py and its data into")],
     at: Annotated[Optional[int], typer.Option("--at", help="record index of side a (an op or a module call's "
                                                           "exit) to reproduce instead of the first divergence")] = None,
-    map_file: Annotated[Optional[Path], typer.Option("--map", help="YAML regex renames of module paths")] = None,
+    map_file: Annotated[Optional[Path], typer.Option("--map", help=MAP_HELP)] = None,
     imports: Annotated[Optional[list[str]], typer.Option("--import", help="module that defines a custom op the "
                                                                           "region calls (repeatable)")] = None,
     overwrite: Annotated[bool, typer.Option(help="replace a repro already in --out")] = False,
@@ -23,8 +24,9 @@ def repro(
 ):
     """Write DIR/repro.py: both sides of the first divergence as plain torch code, on the recorded tensors.
 
-    The script needs only torch and safetensors. `python DIR/repro.py` exits 1 while the sides differ and
-    0 once they are bitwise equal; `--trials N` adds random inputs. Before writing, divtrace runs each side
+    The script needs only torch and safetensors. `python DIR/repro.py` exits 1 while the sides differ,
+    0 once they are bitwise equal, 2 when it cannot run (no torch, a custom op's module missing: the wrong
+    interpreter); `--trials N` adds random inputs. The PASSED line names an interpreter that runs it. Before writing, divtrace runs each side
     and checks that it reproduces that side's recorded output bit for bit. Exit 0 written and reproduces,
     1 written but a side does not reproduce (see the FAILED line), 2 bad input (e.g. hash-only traces, an
     --out that cannot be written), 3 no divergence to reproduce and the comparison is inconclusive (a trace
@@ -80,7 +82,9 @@ def repro(
     for n in r.notes:
         o.line(f"note: {n}")
     if r.ok:
-        o.passed(f"both sides reproduce their recorded outputs bitwise; run: python {r.out / 'repro.py'}")
+        from divtrace.repro.interpreter import run_command
+
+        o.passed(f"both sides reproduce their recorded outputs bitwise; run: {run_command(r.out / 'repro.py')}")
     else:
         bad = [s for s in ("a", "b") if not m["fidelity"][s]]
         o.failed(f"side {' and '.join(bad)} of the repro does NOT reproduce the recorded output; the script was "

@@ -53,7 +53,8 @@ def render_checks(o: Output, res: dict) -> None:
     o.table("bitwise checks", ["check", "kind", "status", "mismatched", "max ULP", "shapes", "detail"], rows)
     ref = [c for c in checks if c["kind"] == "reference"]
     if ref:
-        o.table("fp64 reference (max abs error; gate: err_patch <= 2 * max(err_a, err_b) + floor)",
+        o.table("fp64 reference (max abs error; gate: err_patch <= 2 * max(err_a, err_b) + floor; floor = 2 ULPs "
+                "of the output's largest value, what rounding the result alone can cost: docs/numbers.md)",
                 ["inputs", "status", "err a", "err b", "err patch", "floor", "bound"],
                 [[c["name"].removeprefix("reference "), c["status"], c.get("err_a"), c.get("err_b"), c.get("err_patch"),
                   c.get("floor"), c.get("bound")] for c in ref])
@@ -69,6 +70,8 @@ def render_checks(o: Output, res: dict) -> None:
             o.passed(text)
         elif c["status"] == "FAILED":
             o.failed(text)
+        elif c["status"] == "INFO":  # a figure with no gate: not a result, so no PASSED/FAILED word
+            o.line(f"info: {text}")
         else:
             o.line(f"SKIPPED: {text}")
     if trials:
@@ -83,32 +86,42 @@ def render_profile(o: Output, res: dict) -> None:
     p = res.get("profile")
     if not p:
         return
-    from divtrace.verify.profile import ratios
+    from divtrace.verify.profile import kernel_ratios, ratios
 
     th = f", {p['threads']} thread(s)" if p.get("threads") else ""
     if not p.get("bitwise_passed", True):
         o.line("note: profiled although the bitwise checks FAILED (--force-profile)")
-    c = p["candidates"]
-    o.table(f"profile ({p['device']}, {p['timer']}{th}, {p['rounds']} interleaved rounds)",
-            ["candidate", "median", "min", "IQR %", "iterations", "GB/s", "% of copy bw", "GFLOP/s"],
-            [[k, _t(v["median_s"]), _t(v["min_s"]), f"{v['iqr_pct']:.1f}", v["iterations"], f"{v['gb_per_s']:.3g}",
+    c, k = p["candidates"], p["kernel"]
+    o.table(f"profile ({p['device']}{th}; kernel: {k['measure']}, {k['rounds']} interleaved rounds; wall: "
+            f"{p['timer']}, {p['rounds']} rounds)",
+            ["candidate", "kernel", "kernel min", "wall median", "wall IQR %", "iterations", "GB/s", "% of copy bw",
+             "GFLOP/s"],
+            [[name, _t(v["kernel_median_s"]), _t(k["candidates"][name]["min_us"] * 1e-6), _t(v["median_s"]),
+              f"{v['iqr_pct']:.1f}", v["iterations"], f"{v['gb_per_s']:.3g}",
               f"{v['pct_of_copy_bw']:.1f}" if v["pct_of_copy_bw"] is not None else "-",
-              f"{v['gflop_per_s']:.3g}" if v["gflop_per_s"] else "-"] for k, v in c.items()])
+              f"{v['gflop_per_s']:.3g}" if v["gflop_per_s"] else "-"] for name, v in c.items()])
     o.line(f"copy bandwidth measured in this run: {p['copy_bw_gb_per_s']:.3g} GB/s; region moves {p['bytes_moved']} "
-           f"bytes ({p['bytes_rule']}); flops: {p['flops_rule']}")
-    rs = ratios(c, res.get("side") if res.get("patch") else None)
+           f"bytes ({p['bytes_rule']}); flops: {p['flops_rule']}; GB/s and GFLOP/s are per kernel time")
+    patched = res.get("side") if res.get("patch") else None
     # Throughput (work per second) and time per call, both said: "215%" alone reads either way.
-    if res.get("patch"):
+    rs = kernel_ratios(k, patched)
+    if patched:
         (who, a1, r1), (_, a2, r2) = rs
-        o.line(f"{who} throughput: {r1:.0f}% of {a1} (the side it replaces), {r2:.0f}% of {a2}; time per call: "
-               f"{100 / r1:.2f}x {a1}, {100 / r2:.2f}x {a2}")
+        o.line(f"{who} kernel throughput: {r1:.0f}% of {a1}, the side it replaces (time per call {100 / r1:.2f}x); "
+               f"{r2:.0f}% of {a2} ({100 / r2:.2f}x)")
     else:
         who, a1, r1 = rs[0]
-        o.line(f"{who} throughput: {r1:.0f}% of {a1}; time per call: {100 / r1:.2f}x {a1}")
-    rows = [[k, e["op"], f"{e['calls_per_iter']:g}", f"{e['self_us_per_iter']:.1f}", f"{e['share_pct']:.0f}"]
-            for k, v in c.items() for e in v.get("top_ops", [])[:5]]
+        o.line(f"{who} kernel throughput: {r1:.0f}% of {a1} (time per call {100 / r1:.2f}x)")
+    band = k.get("noise_band_pct")
+    if band:
+        o.line(f"noise band: {band[0]:.0f}%-{band[1]:.0f}% (side a against itself, same rounds): a ratio inside it is "
+               "no measurable difference")
+    walls = ", ".join(f"{100 / r:.2f}x {a}" for _, a, r in ratios(c, patched))
+    o.line(f"wall time per call, kernels plus the Python that calls them: {rs[0][0]} {walls}")
+    rows = [[name, e["op"], f"{e['calls_per_iter']:g}", f"{e['self_us_per_iter']:.1f}", f"{e['share_pct']:.0f}"]
+            for name, v in c.items() for e in v.get("top_ops", [])[:5]]
     if rows:
-        o.table("torch.profiler top ops (self time; us/iter = the op's share of the profiled time x the median above)",
+        o.table("torch.profiler top ops (self time; us/iter = the op's share of the profiled time x the wall median)",
                 ["candidate", "op", "calls/iter", "self us/iter", "share %"],
                 rows)
 
@@ -202,12 +215,23 @@ def verify(
     if json_out:
         o.json(result)
     else:
-        kinds = ("recorded", "trial", "sweep", "reference", "end_to_end")
-        n = {k: sum(c["kind"] == k for c in result["checks"]) for k in kinds}
-        summary = ", ".join(f"{v} {k}" for k, v in n.items() if v)
-        if ok:
-            o.passed(f"verify: every check holds ({summary})")
-        else:
-            bad = sum(c["status"] == "FAILED" for c in result["checks"])
-            o.failed(f"verify: {bad} check(s) failed ({summary})")
+        (o.passed if ok else o.failed)(summary_line(result["checks"], ok))
     return 0 if ok else 1
+
+
+def summary_line(checks: list[dict], ok: bool) -> str:
+    """The last line's text (after PASSED: / FAILED:): the checks that held, per kind, or only the checks that
+    failed, per kind; SKIPPED checks and informational figures (INFO: no gate) are named apart."""
+    kinds = ("recorded", "trial", "sweep", "reference", "end_to_end")
+
+    def count(status):
+        n = {k: sum(c["kind"] == k and c["status"] == status for c in checks) for k in kinds}
+        return ", ".join(f"{v} {k}" for k, v in n.items() if v)
+
+    extra = "".join(f"; {what} {why}" for what, why in ((count("SKIPPED"), "skipped"),
+                                                        (count("INFO"), "not gated (information)")) if what)
+    if ok:
+        return f"verify: every check holds ({count('PASSED')}{extra})"
+    bad = sum(c["status"] == "FAILED" for c in checks)
+    held = count("PASSED")
+    return f"verify: {bad} check(s) failed ({count('FAILED')})" + (f"; {held} passed" if held else "") + extra

@@ -36,7 +36,7 @@ def final_summary(a: Trace, b: Trace, pairing: Pairing, cmp: ValueComparator) ->
     if cmp.values_available:
         from divtrace.compare.final import logprob_mismatch  # imports torch: only where there are values
 
-        out.update(logprob_mismatch(a.tensor(va), b.tensor(vb), a.label, b.label))
+        out.update(logprob_mismatch(a.tensor(va), b.tensor(vb), a.label, b.label, name=key))
     else:
         out.update({"max_abs_logprob_diff": None, "kl": None, "argmax_agreement": None})
     return out

@@ -23,6 +23,7 @@ from divtrace.align.calls import Pairing
 from divtrace.align.paths import PathMap
 from divtrace.align.tokens import TokenView, TraceTokens, shared_tokens
 from divtrace.compare.diffs import Tolerance
+from divtrace.compare.op_kinds import VALUE_PRESERVING
 from divtrace.compare.results import BisectResult, Divergence, settings_diff, trace_seen
 from divtrace.compare.values import TokenComparator
 from divtrace.compare.verdict import INCONCLUSIVE, decide
@@ -344,15 +345,23 @@ def _first_extra(sa, sb, d: Divergence, ra, ca, rb, cb) -> dict:
         if e is not None and e[0] == root:
             rows[side] = layout.row_count(e[1], tok.index.grids[root].shape) if e[2] >= 0 else None
     out["rows"] = rows
-    # Only where both sides part at the same op: another op (a cast where the other multiplies) is another
-    # computation, whatever the batch sizes.
-    if d.cause == "origin" and d.op is not None and d.op == d.op_b and rows["a"] and rows["b"] and rows["a"] != rows["b"]:
+    # Only where both sides part at the same op and run the same computing ops: another op (a cast where the other
+    # multiplies) or another algorithm (mm against slice, mm, mm, add: split-K) is another computation, whatever
+    # the batch sizes.
+    if d.cause == "origin" and d.op is not None and d.op == d.op_b and rows["a"] and rows["b"] and \
+            rows["a"] != rows["b"] and _computing_ops(d.region_a) == _computing_ops(d.region_b):
         op = d.op or d.op_b
         out["batch_invariance"] = {
             "batch_invariant": False, "rows": rows,
             "note": f"{op} ran over {rows['a']} rows on a and {rows['b']} on b: the token's input rows are equal and "
                     "its output row differs, so the kernel's result depends on the batch size (not batch-invariant)"}
     return out
+
+
+def _computing_ops(region: list[tuple[int, str]]) -> list[str]:
+    """A region's op names without the ops that only rearrange values (views, slices); casts are kept."""
+    keep = {"_to_copy", "copy_", "copy"}
+    return [op for _, op in region if (op.split(".") + [""])[1] not in VALUE_PRESERVING - keep]
 
 
 def _final_summary(sa, sb, groups, final_diff, ta, tb, fin_a, fin_b) -> dict:

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from divtrace.compare.final import _train_first
+from divtrace.compare.final import _train_first, is_logprobs, output_caveat
 from divtrace.trace import token_layout as layout
 
 
@@ -49,12 +49,16 @@ def per_token_logprob_metrics(sa, sb, groups, label_a: str, label_b: str, fin_a:
     nxt_b = _next_ids(sb)
     kl_ab, kl_ba, dlp, k3, mult, worst = [], [], [], [], [], None
     cache_a, cache_b = {}, {}
+    normalized, name = True, None  # for the caveat: every row logprobs, or the output named logits
     for (ra, rb), toks in groups.items():
         ga, gb = sa.index.grids[ra], sb.index.grids[rb]
         for k, ca, cb in toks:
             xa, xb = _row(sa, fin_a, k, cache_a), _row(sb, fin_b, k, cache_b)
             if xa is None or xb is None or xa.numel() != xb.numel():
                 continue
+            if name is None:
+                name = _output_name(sa, fin_a, k)
+            normalized = normalized and is_logprobs(xa.reshape(-1)) and is_logprobs(xb.reshape(-1))
             lpa = torch.log_softmax(xa.double().reshape(-1), -1)
             lpb = torch.log_softmax(xb.double().reshape(-1), -1)
             fin = torch.isfinite(lpa) & torch.isfinite(lpb)
@@ -81,4 +85,14 @@ def per_token_logprob_metrics(sa, sb, groups, label_a: str, label_b: str, fin_a:
             "kl": mean(kl_ti), "kl_reverse": mean(kl_it), "kl_max": max(kl_ti),
             "max_abs_logprob_diff": max(dlp) if dlp else None, "mean_abs_logprob_diff": mean(dlp),
             "kl_k3": mean(k3), "token_mult_prob_error": mean(mult),
-            "tokens_with_next": len(dlp)}
+            "tokens_with_next": len(dlp), "caveat": None if normalized else output_caveat(name, *_NOT_LOGPROBS)}
+
+
+_NOT_LOGPROBS = (torch.zeros(2), torch.zeros(2))  # rows that are not logprobs: output_caveat then goes by the name
+
+
+def _output_name(tok, final: dict, key: int) -> str | None:
+    """The output key (`out`, `out.logits`) of the value that holds the token's final row."""
+    got = final.get(key)
+    call = tok.trace.calls.get(got[0]) if got else None
+    return next((k for k, v in call.outputs if v == got[2]), None) if call is not None else None

@@ -3,6 +3,36 @@
 Plain torch + safetensors + the standard library: the script must run where divtrace is not installed.
 """
 
+# Right after the standard-library imports of every repro.py, before torch: a script that cannot run (no torch, a
+# custom op's module missing under this interpreter, a side that raises) exits 2, never 1, which means only that
+# the sides differ. Installed only when run as a script: `divtrace verify` imports it and reports the error itself.
+CRASH_GUARD = r'''
+def _crashed(kind, exc, tb):
+    """An uncaught exception: print it and exit 2 (1 means the sides differ, 0 that they are equal)."""
+    if issubclass(kind, KeyboardInterrupt):
+        return sys.__excepthook__(kind, exc, tb)
+    import traceback
+
+    traceback.print_exception(kind, exc, tb)
+    wrote = None
+    try:
+        wrote = (json.loads((Path(__file__).resolve().parent / "manifest.json").read_text()).get("python") or {})
+    except Exception:
+        pass
+    hint = ""
+    if wrote and wrote.get("executable") and wrote["executable"] != sys.executable:
+        hint = f"; it was written under {wrote['executable']} (torch {wrote.get('torch')}): run it with that"
+    print(f"repro.py: cannot run under {sys.executable}: {kind.__name__}: {exc}{hint} (exit 2: the script failed; "
+          "exit 1 would mean the sides differ)", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
+
+
+if __name__ == "__main__":
+    sys.excepthook = _crashed
+'''
+
 HARNESS = r'''
 # ---- harness (the same in every repro) -------------------------------------------------------------------
 def _unreplayable(why):

@@ -21,6 +21,7 @@ from divtrace.record.engines import custom_op_module
 from divtrace.errors import DivtraceError
 from divtrace.oserrors import cannot_write, is_write_error
 from divtrace.repro import codegen, seqlen
+from divtrace.repro.interpreter import interpreter
 from divtrace.repro.inputs import Inputs, save_tensors, token_ties
 from divtrace.repro.narrow import engine_only_ops, narrow_to_parting_op
 from divtrace.repro.region import (RANDOM_OPS, Side, Target, build_side, check_values, common_suffix_start,
@@ -408,6 +409,7 @@ def _write(out: Path, ta: Trace, tb: Trace, target: Target, sides: dict[str, Sid
         "token_ties": getattr(sc, "ties", []),
         "keep_recorded": getattr(sc, "keep", []),
         "warnings": target.warnings,
+        "python": interpreter(),  # the interpreter that replayed both sides, so one that can run the script
     }
     (out / "manifest.json").write_text(json.dumps(_finite(manifest), indent=2))
     if found:

@@ -14,6 +14,7 @@ import torch
 from divtrace.compare.metrics import compare_tensors
 
 PASSED, FAILED, SKIPPED = "PASSED", "FAILED", "SKIPPED"
+INFO = "INFO"  # a figure reported without a gate (the fp64 reference without --patch): neither passed nor failed
 TRIAL_SEED0 = 1  # trials use seeds 1..N; the sweep uses 1001.. so its inputs are not the trials' again
 SWEEP_SEED0 = 1001
 

@@ -68,7 +68,14 @@ class Repro:
             notes.append(f"manifest version {manifest.get('version')!r}; this divtrace knows version 1")
         if not isinstance(manifest.get("inputs"), list):
             raise DivtraceError(f"{mf}: 'inputs' must be a list of input specs")
-        module = import_file(d / "repro.py", "the repro script")
+        try:
+            module = import_file(d / "repro.py", "the repro script")
+        except DivtraceError as e:  # an error, never "still differs": say which interpreter can run it
+            wrote = (manifest.get("python") or {}).get("executable")
+            if wrote and wrote != sys.executable:
+                raise DivtraceError(f"{e}; divtrace wrote it under {wrote}: verify it with that interpreter's "
+                                    "divtrace") from None
+            raise
         missing = [n for n in REQUIRED if not hasattr(module, n)]
         if missing:
             raise DivtraceError(f"{d / 'repro.py'}: missing {', '.join(missing)} (not a divtrace repro script?)")

@@ -3,8 +3,16 @@
 Each candidate is timed inside one `run_side` call (so its side's settings hold) in blocks of iterations, and the
 blocks of the three candidates are interleaved over several rounds so that a noisy neighbour slows all of them
 alike. CUDA: CUDA events around each iteration. CPU: perf_counter with torch.set_num_threads(threads) (1 unless the
-user asks otherwise) for the duration of the timing. Ratios are throughputs: "patch: 93% of side b" means the
-patch does 0.93x the work per second that side b does.
+user asks otherwise) for the duration of the timing. That wall time includes the Python that calls the ops: the
+repro's sides call `torch.ops.aten.*` overloads one by one, which costs microseconds per op that a patch written
+with tensor methods does not, so at 10-20 us per call it says little about the kernels.
+
+The ratios are therefore taken from kernel time (`kernel_profile`): torch.profiler's device time of the kernels on
+CUDA, and on CPU the self time of the leaf ops (an op that calls no other op: the one that runs the kernel; the
+dispatcher layers above it, `aten::to` over `aten::_to_copy`, and the Python around them do not count). Side a is
+profiled twice in every round; the range of its ratio to itself over the rounds is the noise band: a ratio inside
+it is no measurable difference. Ratios are throughputs: "patch: 93% of side b" means the patch does 0.93x the work
+per second that side b does.
 """
 from __future__ import annotations
 
@@ -172,6 +180,93 @@ def top_ops(repro, cand: Side, inputs: dict, device: torch.device, median_s: flo
              "profiled_self_us_per_iter": self_us(e) / n_iter} for e in rows[:k] if self_us(e) > 0]
 
 
+KERNEL_ROUNDS = 7
+AGAIN = "side a (again)"  # side a profiled a second time in each round: the noise band
+
+
+ITER = "divtrace::verify_iteration"  # a record_function range around each profiled call
+
+
+def _leaf_us(event) -> float:
+    """CPU self time of the leaf ops under `event` (named `ns::op`, calling no other such op)."""
+    kids = [c for c in event.cpu_children if "::" in c.name and c.name != ITER]
+    if not kids:
+        return event.self_cpu_time_total if "::" in event.name and event.name != ITER else 0.0
+    return sum(_leaf_us(c) for c in kids) + sum(_leaf_us(c) for c in event.cpu_children if "::" not in c.name)
+
+
+def _kernel_us(events, cuda: bool, iters: int) -> float:
+    """Kernel microseconds per call in profiled events: CUDA kernels' device time over the calls, or on CPU the
+    median over the calls of the self time of their leaf ops (a median: an interrupt in one call does not count)."""
+    if cuda:
+        from torch.autograd import DeviceType
+
+        return sum(e.self_device_time_total for e in events
+                   if getattr(e, "device_type", None) == DeviceType.CUDA) / iters
+    per_call = [_leaf_us(e) for e in events if e.name == ITER]
+    return statistics.median(per_call) if per_call else 0.0
+
+
+def _kernel_block(repro, cand: Side, inputs: dict, device: torch.device, threads: int | None, iters: int) -> float:
+    """Kernel microseconds per call of `cand` over `iters` profiled calls, inside its side's settings."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+    def body(fn, args, kwargs):
+        prev = torch.get_num_threads()
+        if threads and not cuda:
+            torch.set_num_threads(threads)
+        try:
+            fn(*args, **kwargs)
+            with _quiet_stderr(), profile(activities=acts) as prof:
+                for _ in range(iters):
+                    with record_function(ITER):
+                        fn(*args, **kwargs)
+                if cuda:
+                    torch.cuda.synchronize()
+        finally:
+            torch.set_num_threads(prev)
+        return _kernel_us(prof.events(), cuda, iters)
+
+    return _in_side(repro, cand, inputs, body)
+
+
+def kernel_profile(repro, cands: list[Side], inputs: dict, device: torch.device, threads: int | None,
+                   est: dict, rounds: int = KERNEL_ROUNDS, block_s: float = 0.01) -> dict:
+    """Kernel time per call of each candidate over interleaved rounds, side a twice per round (the noise band)."""
+    order = cands + [Side(AGAIN, cands[0].fn, cands[0].settings_side)]
+    per = {c.label: [] for c in order}
+    for r in range(rounds):
+        for c in order[r % len(order):] + order[:r % len(order)]:  # rotate: no candidate always runs first
+            iters = int(min(30, max(5, block_s / est[cands[0].label if c.label == AGAIN else c.label])))
+            per[c.label].append(_kernel_block(repro, c, inputs, device, threads, iters))
+    band = [100 * x / y for x, y in zip(per[AGAIN], per["side a"]) if x > 0 and y > 0]
+    measure = ("device time of the CUDA kernels (torch.profiler)" if device.type == "cuda" else
+               "CPU self time of the leaf ops, the ops that run the kernels (torch.profiler)")
+    return {"measure": measure, "rounds": rounds,
+            "candidates": {k: {"median_us": statistics.median(v), "min_us": min(v), "per_round_us": v}
+                           for k, v in per.items()},
+            "noise_band_pct": [min(band), max(band)] if band else None}
+
+
+def kernel_ratios(kernel: dict, patched_side: str | None) -> list[tuple[str, str, float]]:
+    """(who, against, throughput percent): the median over the rounds of t_against / t_who, each round's pair
+    measured close together in time."""
+    per = {k: v["per_round_us"] for k, v in kernel["candidates"].items()}
+
+    def pct(who, against):
+        rs = [100 * a / w for w, a in zip(per[who], per[against]) if w > 0 and a > 0]
+        return statistics.median(rs) if rs else float("nan")
+
+    if patched_side:
+        other = "b" if patched_side == "a" else "a"
+        return [("patch", f"side {patched_side}", pct("patch", f"side {patched_side}")),
+                ("patch", f"side {other}", pct("patch", f"side {other}"))]
+    return [("side b", "side a", pct("side b", "side a"))]
+
+
 def profile_candidates(repro, cands: list[Side], inputs: dict, *, threads: int | None = 1, warmup: int = 3,
                        min_block_s: float = 0.02, max_iters: int = 200) -> dict:
     """Timings of each candidate on `inputs`, throughput ratios and achieved bandwidth/flops."""
@@ -190,11 +285,14 @@ def profile_candidates(repro, cands: list[Side], inputs: dict, *, threads: int |
     out0 = repro.run(cands[0].fn, cands[0].settings_side, inputs)
     nbytes = _bytes(inputs, out0)
     bw = copy_bandwidth(device, timer, nbytes)
+    kernel = kernel_profile(repro, cands, inputs, device, threads, est)
     for c in cands:
         s = stats[c.label]
+        s["kernel_median_s"] = kernel["candidates"][c.label]["median_us"] * 1e-6
+        t = s["kernel_median_s"] if s["kernel_median_s"] > 0 else s["median_s"]  # (no kernel seen: wall time)
         s["flops"] = _flops(repro, c, inputs)
-        s["gb_per_s"] = nbytes / s["median_s"] / 1e9
-        s["gflop_per_s"] = s["flops"] / s["median_s"] / 1e9 if s["flops"] else None
+        s["gb_per_s"] = nbytes / t / 1e9  # per kernel time: what the kernels achieve
+        s["gflop_per_s"] = s["flops"] / t / 1e9 if s["flops"] else None
         s["pct_of_copy_bw"] = 100 * s["gb_per_s"] / bw if bw else None
         try:
             s["top_ops"] = top_ops(repro, c, inputs, device, s["median_s"], threads)
@@ -202,6 +300,7 @@ def profile_candidates(repro, cands: list[Side], inputs: dict, *, threads: int |
             s["top_ops"] = []
             s["top_ops_error"] = f"{type(e).__name__}: {e}"
     return {"device": str(device), "timer": "cuda events" if device.type == "cuda" else "perf_counter",
+            "kernel": kernel,
             "threads": None if device.type == "cuda" else (threads or torch.get_num_threads()),
             "rounds": ROUNDS, "bytes_moved": nbytes, "bytes_rule": "inputs read once + outputs written once",
             "flops_rule": "torch.utils.flop_counter (matmul/attention/conv flops; elementwise ops count 0)",
@@ -209,7 +308,7 @@ def profile_candidates(repro, cands: list[Side], inputs: dict, *, threads: int |
 
 
 def ratios(stats: dict, patched_side: str | None) -> list[tuple[str, str, float]]:
-    """(who, against, throughput percent): t_against / t_who."""
+    """(who, against, throughput percent) of the wall time per call: t_against / t_who."""
     med = {k: v["median_s"] for k, v in stats.items()}
     if patched_side:
         other = "b" if patched_side == "a" else "a"

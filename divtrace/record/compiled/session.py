@@ -37,6 +37,11 @@ def resolve(model, compiled, ops) -> tuple[bool, bool, list[dict]]:
     if ops not in (None, True, False):
         raise DivtraceError(f"ops must be True or False, got {ops!r}")
     regions = compiled_regions(model)
+    if compiled is True and not regions:
+        # Nothing compiled would run: the trace would hold eager code labelled compiled.
+        raise DivtraceError("compiled=True (--compiled), but no module of the model is torch.compile'd, so only eager "
+                            "code would run; compile it first (torch.compile(model) or model.compile(), returned by "
+                            "the ENTRY), or record without --compiled")
     if compiled is None:
         compiled = bool(regions) and ops is not True
     if compiled and ops:
@@ -58,6 +63,7 @@ class CompiledSession:
         self.handles: list = []
         self.hits = 0  # compiled code entered (a guard check that passed) while recording
         self.taps_run = 0
+        self.graph_taps = 0  # taps that ran from compiled code (the rest ran eagerly, between graphs)
         self.kernels: dict = {}  # path -> {output key: kernel info}, from the generated code (kernels.py)
         self._prev_hook = None
         self._hooked_guards = False
@@ -146,6 +152,8 @@ class CompiledSession:
             info["taps_run"] = self.taps_run
             info["kernels"] = self.kernels
             info["notes"] = self._notes()
+            if self.taps_run and not self.graph_taps:
+                return {"compiled": info, "unseen": self._regions_without_calls(), **self._ran_eagerly(info)}
         else:
             if self.regions:
                 info["notes"] = ["compiled=False: torch.compile was set to force_eager inside the block, so the "
@@ -157,6 +165,20 @@ class CompiledSession:
                               "with compiled=True")
         unseen += self._regions_without_calls()
         return {"compiled": info, "unseen": unseen}
+
+    def _ran_eagerly(self, info: dict) -> dict:
+        """compiled=True, yet no tap ran from compiled code: what was recorded is eager code (Dynamo disabled, a
+        force_eager stance, or only an uncompiled part of the model called). Say so; never label it compiled."""
+        info["recorded"] = "eager"
+        info["notes"] = ["compiled=True, but none of the model's compiled code ran inside the block (torch._dynamo "
+                         "disabled, e.g. TORCHDYNAMO_DISABLE=1, or a force_eager stance): the module boundaries "
+                         "recorded are of the eager code"]
+        w = self.rec.warnings
+        w[:] = [x for x in w if not x.startswith("the model is torch.compile'd: recorded at module boundaries")]
+        w.append("the model is torch.compile'd, but its compiled code did not run inside the block: this trace is "
+                 "of the eager code, at module boundaries")
+        settings = dict(self.rec.writer.meta.get("settings") or {}, torch_compile=None)
+        return {"granularity": "modules", "settings": settings}
 
     def compile_failure(self, exc) -> str | None:
         """One line for an exception torch.compile raised inside a compiled=True block (compiling the model with
@@ -278,6 +300,7 @@ class CompiledSession:
         from divtrace.record.compiled.kernels import producer_kernels, site_info, tap_site
 
         self.taps_run += 1
+        self.graph_taps += in_graph
         module = self.modules.get(path)
         if module is None:
             return
