@@ -35,17 +35,20 @@ def log_softmax_fp32(logits: torch.Tensor) -> torch.Tensor:
 
 
 def from_generate(output, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                  eos_token_id=None, logprob_fn=None) -> RolloutBatch:
+                  eos_token_id=None, logprob_fn=None, token_logprob_fn=None) -> RolloutBatch:
     """Per-sequence completion ids and logprobs of the sampled tokens from a `GenerateOutput`.
 
     `input_ids`/`attention_mask`: what generate was given (either padding side). A completion runs to its first
     EOS (`eos_token_id`, an int or a list; included), else to the end. `logprob_fn(logits [B, V]) -> [B, V]`
-    turns a step's logits into logprobs (default: log_softmax in float32)."""
+    turns a step's logits into logprobs (default: log_softmax in float32); or `token_logprob_fn(logits [B, V],
+    tokens [B]) -> [B]` gives the sampled tokens' logprobs directly (a fused computation's own fold)."""
     logits = getattr(output, "logits", None)
     if not logits:
         raise DivtraceError("from_generate(): the output has no logits; call generate(..., output_logits=True, "
                             "return_dict_in_generate=True)")
-    fn = logprob_fn or log_softmax_fp32
+    if token_logprob_fn is None:
+        fn = logprob_fn or log_softmax_fp32
+        token_logprob_fn = lambda lg, tok: fn(lg).gather(-1, tok[:, None].to(lg.device)).squeeze(-1)  # noqa: E731
     seqs = output.sequences
     width = input_ids.shape[1]
     gen = seqs[:, width:]
@@ -61,9 +64,9 @@ def from_generate(output, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                 break
         lengths.append(n)
     steps = max(lengths, default=0)
-    raw = _gathered(fn, logits[:steps], gen)
+    raw = _gathered(token_logprob_fn, logits[:steps], gen)
     scores = getattr(output, "scores", None)
-    processed = _gathered(log_softmax_fp32, scores[:steps], gen) if scores else None
+    processed = _gathered(_log_softmax_at, scores[:steps], gen) if scores else None
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     prompts = [ids[m.bool()].tolist() for ids, m in zip(input_ids.cpu(), mask.cpu())]
     completions = [gen[i, :n].tolist() for i, n in enumerate(lengths)]
@@ -71,12 +74,15 @@ def from_generate(output, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                         processed=None if processed is None else [processed[i, :n] for i, n in enumerate(lengths)])
 
 
-def _gathered(fn, per_step, gen: torch.Tensor) -> torch.Tensor:
-    """[B, steps]: the logprob of each generated token under `fn` of its step's logits."""
+def _log_softmax_at(lg: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    return log_softmax_fp32(lg).gather(-1, tok[:, None].to(lg.device)).squeeze(-1)
+
+
+def _gathered(token_fn, per_step, gen: torch.Tensor) -> torch.Tensor:
+    """[B, steps]: the logprob of each generated token under `token_fn` of its step's logits."""
     cols = []
     for t, lg in enumerate(per_step):
-        lp = fn(lg)
-        cols.append(lp.gather(-1, gen[:, t:t + 1].to(lp.device)).squeeze(-1).cpu())
+        cols.append(token_fn(lg, gen[:, t]).cpu())
     return torch.stack(cols, 1) if cols else torch.empty(gen.shape[0], 0)
 
 

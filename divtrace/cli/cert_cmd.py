@@ -53,7 +53,7 @@ def render_cert(o: Output, r) -> None:
     if r.replay is not None:
         o.line(f"replay of step {r.replay['step']} saved in {Path(r.ledger) / r.replay['dir']}; to find the op, run:")
         for c in r.replay.get("command") or []:
-            o.line(f"  {c}")
+            o.console.print(f"  {c}", markup=False, highlight=False, soft_wrap=True)  # unwrapped: copy and run it
     elif r.first is not None and r.first["cause"] != "weights":
         o.line("hint: no replay was saved for this step; record both sides of it (divtrace.record) and run "
                "divtrace bisect TRAIN ROLLOUT --align tokens (docs/cert.md, 'From the ledger to the op')")
