@@ -11,10 +11,10 @@ then `divtrace cert runs/ledger`. Adapters: `from_generate` (HF generate's outpu
 """
 from __future__ import annotations
 
-from divtrace.cert.adapters import from_generate, from_vllm
+from divtrace.cert.adapters import from_generate, from_vllm, vllm_weights
 from divtrace.cert.verdict import CertResult, certify
 from divtrace.cert.weights import WEIGHT_HASH_SCHEME, fingerprint_weights
 from divtrace.cert.writer import Ledger, ledger
 
 __all__ = ["Ledger", "ledger", "certify", "CertResult", "fingerprint_weights", "WEIGHT_HASH_SCHEME",
-           "from_generate", "from_vllm"]
+           "from_generate", "from_vllm", "vllm_weights"]

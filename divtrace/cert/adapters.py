@@ -125,3 +125,18 @@ def from_vllm(outputs, llm=None, *, logprobs_mode: str | None = None) -> Rollout
             logprobs.append(t32)
             ids.append(f"{ro.request_id}/{co.index}")
     return RolloutBatch(prompts, completions, logprobs, kind=kind, seq_ids=ids, meta={"logprobs_mode": mode})
+
+
+def vllm_weights(llm) -> dict:
+    """Weight fingerprints of an in-process `vllm.LLM`'s model (VLLM_ENABLE_V1_MULTIPROCESSING=0), under HF's
+    names (`vllm-hf`: fused projections split, vocabulary padding cut), ready for `Ledger.weights`. For an engine
+    in other processes, run `divtrace.cert.fingerprint_weights(model, "vllm-hf")` in its worker
+    (`llm.collective_rpc`) and pass the dict."""
+    from divtrace.cert.weights import fingerprint_weights
+
+    try:
+        model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    except AttributeError as e:
+        raise DivtraceError(f"vllm_weights(): cannot reach this vllm.LLM's model in this process ({e}); fingerprint "
+                            "it in the engine's worker and pass the dict") from None
+    return fingerprint_weights(model, "vllm-hf")

@@ -69,6 +69,10 @@ def _unsharded(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _vllm_to_hf(name: str, t: torch.Tensor, module):
+    if t.numel() == 0 and hasattr(module, "cpu_linear"):
+        raise DivtraceError(f"weights: {name!r} is empty: vLLM's CPU backend packed this layer's weight for its own "
+                            "GEMM and removed the tensor, so the engine's values cannot be read after loading; "
+                            "fingerprint the weights you load into the engine instead (the state dict you sync)")
     mod_path, _, leaf = name.rpartition(".")
     parent, _, mod_name = mod_path.rpartition(".")
     parts = _FUSED.get(mod_name)
