@@ -24,33 +24,12 @@ if importlib.util.find_spec("trl") is None:
 
 import torch  # noqa: E402
 
-import divtrace  # noqa: E402
-from divtrace.cert import certify  # noqa: E402
 from divtrace.cert.trl import attach  # noqa: E402
 
-PADDED = ["w5 w6 w7", "w9 w10 w11 w12 w13 w14", "w20 w21", "w30 w31 w32 w33"]  # left padding in generate
-EQUAL = ["w5 w6 w7 w8", "w9 w10 w11 w12", "w20 w21 w22 w23", "w30 w31 w32 w33"]  # no padding
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from cert_grpo import EQUAL, PADDED, grpo_trainer, tiny_llama  # noqa: E402
+
 PLANTED = "model.layers.1.mlp.down_proj.weight"
-
-
-def tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, 128)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
-def tiny_llama(dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
-                      eos_token_id=1, bos_token_id=None)
-    return LlamaForCausalLM(cfg).to(dtype)
 
 
 class Oracle:
@@ -124,18 +103,11 @@ class Oracle:
 
 
 def run(tmp_path, prompts, dtype=torch.bfloat16, plant=False, lr=1e-6):
-    from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
-    torch.set_num_threads(1)
     model = tiny_llama(dtype)
     rollout = copy.deepcopy(model) if plant else None
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=6, max_steps=3, learning_rate=lr, logging_steps=1, report_to=[],
-                      use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                          args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer())
+    trainer = grpo_trainer(model, prompts, tmp_path / "out", lr=lr)
     oracle = Oracle(rollout if plant else model, model)
     skipped = {}
 

@@ -24,6 +24,8 @@ a step (batch, generation settings, weights) for the first step that parts (`"fi
 """
 from __future__ import annotations
 
+import json
+import sys
 from collections import Counter
 
 import torch
@@ -91,6 +93,7 @@ class _State:
         self.trainer_weights_logged = False
         self.gen = None  # this step's generate call: inputs, config, sequences (for a replay)
         self.replayed = set()
+        self.options = {}  # attach()'s replay, replay_steps, weights_ref, rollout_model
 
 
 def attach(trainer, path, *, rollout_model=None, sync_weights=None, replay="first", replay_steps=(),
@@ -98,8 +101,6 @@ def attach(trainer, path, *, rollout_model=None, sync_weights=None, replay="firs
     """Turn the ledger on in a TRL GRPOTrainer; returns the callback (already added to the trainer)."""
     trl = _trl()
     from transformers import TrainerCallback
-
-    from divtrace.cert import trl_replay
 
     for name in ("_get_per_token_logps_and_entropies", "use_vllm", "temperature", "state"):
         if not hasattr(trainer, name):
@@ -117,6 +118,8 @@ def attach(trainer, path, *, rollout_model=None, sync_weights=None, replay="firs
     led = Ledger(path, label=label, meta={"integration": "trl", "trl": trl.__version__,
                                           "temperature": trainer.temperature})
     st = _State()
+    st.options = {"replay": replay, "replay_steps": set(replay_steps), "weights_ref": weights_ref,
+                  "rollout_model": rollout_model}
     gen_model = rollout_model if rollout_model is not None else policy
     synced = {"version": None}
     original_generate = gen_model.generate
@@ -154,8 +157,7 @@ def attach(trainer, path, *, rollout_model=None, sync_weights=None, replay="firs
     def per_token_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kw):
         result = original_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kw)
         if trainer.accelerator.unwrap_model(model) is policy and st.step is not None and st.pending:
-            _trainer_side(trainer, led, st, policy, input_ids, attention_mask, logits_to_keep, result[0],
-                          replay, set(replay_steps), weights_ref, rollout_model, args, kw)
+            _trainer_side(trainer, led, st, policy, input_ids, attention_mask, logits_to_keep, result[0], args, kw)
         return result
 
     policy.generate = generate  # TRL calls the policy's generate; a rollout copy's own generate runs inside
@@ -173,7 +175,6 @@ def attach(trainer, path, *, rollout_model=None, sync_weights=None, replay="firs
 
     cb = LedgerCallback()
     trainer.add_callback(cb)
-    trl_replay.check_importable()
     return cb
 
 
@@ -182,10 +183,10 @@ def _new_step(st: _State, step: int) -> None:
         st.step, st.pending, st.rollout, st.trainer_weights_logged = step, Counter(), {}, False
 
 
-def _trainer_side(trainer, led, st, policy, input_ids, attention_mask, logits_to_keep, logps, replay, replay_steps,
-                  weights_ref, rollout_model, args, kw) -> None:
+def _trainer_side(trainer, led, st, policy, input_ids, attention_mask, logits_to_keep, logps, args, kw) -> None:
+    """Log the trainer's logprobs of this step's sequences that this recompute call is the first to score."""
     c = int(logits_to_keep)
-    ids, mask, lps = input_ids.detach().cpu(), attention_mask.detach().cpu(), logps.detach().float().cpu()
+    ids, mask = input_ids.detach().cpu(), attention_mask.detach().cpu()
     prompts, completions, values, rows, parts = [], [], [], [], False
     for r in range(ids.shape[0]):
         pm, cm = mask[r, :-c].bool(), mask[r, -c:].bool()
@@ -206,13 +207,13 @@ def _trainer_side(trainer, led, st, policy, input_ids, attention_mask, logits_to
     led.trainer(st.step, prompts, completions, values, weights=weights, version=int(trainer.state.global_step),
                 temperature=trainer.temperature)
     st.trainer_weights_logged = True
-    want = st.step in replay_steps or (replay == "first" and parts and not st.replayed)
+    want = st.step in st.options["replay_steps"] or (st.options["replay"] == "first" and parts and not st.replayed)
     if want and st.step not in st.replayed and st.gen is not None:
-        from divtrace.cert import trl_replay
-
         st.replayed.add(st.step)
-        trl_replay.save(led, trainer, st, policy, rollout_model, input_ids, attention_mask, c, rows, values,
-                        weights_ref, args, kw)
+        call = {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": c,
+                "batch_size": kw.get("batch_size", args[0] if args else None)}
+        save_replay(led, trainer, st, policy, st.options["rollout_model"], call, rows, values,
+                    st.options["weights_ref"])
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -221,3 +222,54 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     ia = a.contiguous().view(torch.int32 if a.element_size() == 4 else torch.int16)
     ib = b.contiguous().view(torch.int32 if b.element_size() == 4 else torch.int16)
     return bool(torch.equal(ia, ib))
+
+
+def save_replay(led, trainer, st, policy, rollout_model, call: dict, rows, values, weights_ref) -> None:
+    """Write LEDGER/replay/step-N/ (see divtrace.cert.trl_replay) and note it in the ledger with its commands.
+    `call`: the trainer's recompute call holding the parting sequence (input_ids, attention_mask,
+    logits_to_keep, batch_size); `rows`, `values`: its rows logged and their logprobs."""
+    from safetensors.torch import save_file, save_model
+
+    input_ids, attention_mask, c = call["input_ids"], call["attention_mask"], call["logits_to_keep"]
+
+    step = st.step
+    rel = f"replay/step-{step:06d}"
+    out = led.path / rel
+    out.mkdir(parents=True, exist_ok=True)
+    gen = st.gen
+    save_file({k: gen[k].contiguous() for k in ("input_ids", "attention_mask", "sequences")},
+              str(out / "rollout.safetensors"))
+    save_file({"input_ids": input_ids.detach().cpu().contiguous(),
+               "attention_mask": attention_mask.detach().cpu().contiguous()}, str(out / "trainer.safetensors"))
+    expected = {}
+    width = gen["input_ids"].shape[1]
+    for b in range(gen["sequences"].shape[0]):
+        p = gen["input_ids"][b][gen["attention_mask"][b].bool()].tolist()
+        for key, lps in st.rollout.items():
+            if key[0] == tuple(p) and list(key[1]) == gen["sequences"][b, width:width + len(key[1])].tolist():
+                expected[f"rollout.{b}"] = lps[0].contiguous()
+                break
+    for r, v in zip(rows, values):
+        expected[f"trainer.{r}"] = v.contiguous()
+    save_file(expected, str(out / "expected.safetensors"))
+    if weights_ref is None:
+        save_model(policy, str(out / "weights.safetensors"))
+        if rollout_model is not None:
+            save_model(rollout_model, str(out / "rollout_weights.safetensors"))
+    policy.config.to_json_file(str(out / "config.json"))
+    batch_size = call["batch_size"]
+    manifest = {
+        "step": step, "temperature": trainer.temperature, "generation_config": gen["config"],
+        "logits_to_keep": c, "batch_size": batch_size, "rows": rows,
+        "dtype": str(next(policy.parameters()).dtype).removeprefix("torch."),
+        "mixed_precision": str(getattr(trainer.accelerator, "mixed_precision", "no")),
+        "cast_lm_head_to_fp32": bool(getattr(trainer.args, "cast_lm_head_to_fp32", False)),
+        "trainer_grad_enabled": torch.is_grad_enabled(), "trainer_training": policy.training,
+        "num_threads": torch.get_num_threads(), "weights_ref": weights_ref,
+        "rollout_weights": "rollout_weights.safetensors" if rollout_model is not None and weights_ref is None else None,
+        "ledger": str(led.path), "trl": __import__("trl").__version__,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    traces = out / "traces"
+    led.replay(step, rel, [f"{sys.executable} -m divtrace.cert.trl_replay {out} --out {traces}",
+                           f"divtrace bisect {traces}/trainer {traces}/rollout --align tokens"])

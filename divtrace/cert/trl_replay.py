@@ -3,7 +3,7 @@
     python -m divtrace.cert.trl_replay LEDGER/replay/step-000037 --out runs/step37
     divtrace bisect runs/step37/trainer runs/step37/rollout --align tokens
 
-`save` (called by divtrace.cert.trl for the first parting step, and for `replay_steps`) writes the step's
+`divtrace.cert.trl.save_replay` (for the first parting step, and for `replay_steps`) writes the step's
 generate inputs and settings, the sampled sequences, the trainer micro-batch holding the parting sequence, the
 weights each side used (or the `weights_ref` path you gave) and the ledger's logprobs. The replay rebuilds the
 model from config.json with TRL's fused LM head, runs generate forced onto the sampled tokens (so the rollout's
@@ -22,58 +22,6 @@ from pathlib import Path
 import torch
 
 from divtrace.errors import DivtraceError
-
-
-def check_importable() -> None:
-    """The replay needs transformers and safetensors; both are there wherever the integration runs."""
-    import safetensors  # noqa: F401
-
-
-def save(led, trainer, st, policy, rollout_model, input_ids, attention_mask, c, rows, values, weights_ref, args,
-         kw) -> None:
-    from safetensors.torch import save_file, save_model
-
-    step = st.step
-    rel = f"replay/step-{step:06d}"
-    out = led.path / rel
-    out.mkdir(parents=True, exist_ok=True)
-    gen = st.gen
-    save_file({k: gen[k].contiguous() for k in ("input_ids", "attention_mask", "sequences")},
-              str(out / "rollout.safetensors"))
-    save_file({"input_ids": input_ids.detach().cpu().contiguous(),
-               "attention_mask": attention_mask.detach().cpu().contiguous()}, str(out / "trainer.safetensors"))
-    expected = {}
-    width = gen["input_ids"].shape[1]
-    for b in range(gen["sequences"].shape[0]):
-        p = gen["input_ids"][b][gen["attention_mask"][b].bool()].tolist()
-        for key, lps in st.rollout.items():
-            if key[0] == tuple(p) and list(key[1]) == gen["sequences"][b, width:width + len(key[1])].tolist():
-                expected[f"rollout.{b}"] = lps[0].contiguous()
-                break
-    for r, v in zip(rows, values):
-        expected[f"trainer.{r}"] = v.contiguous()
-    save_file(expected, str(out / "expected.safetensors"))
-    if weights_ref is None:
-        save_model(policy, str(out / "weights.safetensors"))
-        if rollout_model is not None:
-            save_model(rollout_model, str(out / "rollout_weights.safetensors"))
-    policy.config.to_json_file(str(out / "config.json"))
-    batch_size = kw.get("batch_size", args[0] if args else None)
-    manifest = {
-        "step": step, "temperature": trainer.temperature, "generation_config": gen["config"],
-        "logits_to_keep": c, "batch_size": batch_size, "rows": rows,
-        "dtype": str(next(policy.parameters()).dtype).removeprefix("torch."),
-        "mixed_precision": str(getattr(trainer.accelerator, "mixed_precision", "no")),
-        "cast_lm_head_to_fp32": bool(getattr(trainer.args, "cast_lm_head_to_fp32", False)),
-        "trainer_grad_enabled": torch.is_grad_enabled(), "trainer_training": policy.training,
-        "num_threads": torch.get_num_threads(), "weights_ref": weights_ref,
-        "rollout_weights": "rollout_weights.safetensors" if rollout_model is not None and weights_ref is None else None,
-        "ledger": str(led.path), "trl": __import__("trl").__version__,
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    traces = out / "traces"
-    led.replay(step, rel, [f"{sys.executable} -m divtrace.cert.trl_replay {out} --out {traces}",
-                           f"divtrace bisect {traces}/trainer {traces}/rollout --align tokens"])
 
 
 def _model(d: Path, m: dict, weights: str):
