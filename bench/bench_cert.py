@@ -26,22 +26,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_tokens import build as build_llama  # noqa: E402
 
 from divtrace.cert import fingerprint_weights, from_generate, ledger  # noqa: E402
 
 
 def build(small: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    if small:
-        cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=4)
-    else:
-        cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                          num_attention_heads=8, num_key_value_heads=8)
+    """bench_tokens' model (bench_record's Llama, or its small form), as a trainer: pad id 0, no EOS."""
+    model, cfg = build_llama(small)
     cfg.pad_token_id, cfg.eos_token_id = 0, None
-    return LlamaForCausalLM(cfg)
+    return model
 
 
 def rl_step(model, opt, prompts, new_tokens):

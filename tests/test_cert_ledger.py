@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -332,3 +333,13 @@ def test_vllm_hf_map_splits_fused_projections_to_hf_names():
     layer.mlp.gate_up_proj.output_sizes = [5, 5]
     with pytest.raises(DivtraceError, match="cannot split"):
         fingerprint_weights(vllm, "vllm-hf")
+
+
+def test_every_json_key_is_documented(tmp_path):
+    run_loop(tmp_path / "led", part_at=(1, 1))
+    d = certify(tmp_path / "led").to_dict()
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "cert.md").read_text()
+    keys = set(d) | set(d["steps"][0]) | set(d["first"]) | set(d["first"]["token"]) | set(d["segments"][0])
+    keys |= set(d["steps"][0]["weights"]) | set(d["steps"][0]["sequences"])
+    missing = sorted(k for k in keys if f"`{k}`" not in doc)
+    assert not missing, missing

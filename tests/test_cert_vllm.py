@@ -23,28 +23,16 @@ import torch  # noqa: E402
 from divtrace.cert import certify, fingerprint_weights, from_vllm, ledger, vllm_weights  # noqa: E402
 from divtrace.cert.reader import read_ledger  # noqa: E402
 from divtrace.errors import DivtraceError  # noqa: E402
+from test_vllm_integration import make_llm, model_dir  # noqa: E402,F401  (the tiny Llama checkpoint fixture)
 
 PROMPTS = [[1, 5, 7, 9, 11], [3, 4, 5, 6, 7, 8, 9, 10, 12]]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-llama-cert")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    return d
-
-
 def test_vllm_logprobs_and_weights_go_into_the_ledger(model_dir, tmp_path):
     from transformers import LlamaForCausalLM
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128,
-              enable_prefix_caching=False, seed=0)
+    llm = make_llm(model_dir, "float32")
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=1.0, max_tokens=6, logprobs=0, detokenize=False, seed=0))
     batch = from_vllm(outs, llm)

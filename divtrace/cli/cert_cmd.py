@@ -15,7 +15,7 @@ def _token_text(t: dict) -> str:
             f"({t['trainer_bits']}), {t['dtype']}")
 
 
-def render_cert(o: Output, r) -> None:
+def render_cert(o: Output, r, plot: Path | None = None) -> None:
     d = r.to_dict()
     n = len(r.steps)
     if r.verdict == "certified":
@@ -57,6 +57,8 @@ def render_cert(o: Output, r) -> None:
     elif r.first is not None and r.first["cause"] != "weights":
         o.line("hint: no replay was saved for this step; record both sides of it (divtrace.record) and run "
                "divtrace bisect TRAIN ROLLOUT --align tokens (docs/cert.md, 'From the ledger to the op')")
+    if plot is not None:
+        o.line(f"wrote {plot}")
 
 
 def cert(
@@ -84,20 +86,19 @@ def cert(
     o = Output(json_out)
     r = certify(ledger)
     if plot is not None:
-        from divtrace.cert.plot import write_cert_plot
-        from divtrace.errors import DivtraceError
-        from divtrace.oserrors import cannot_write
-
-        try:
-            write_cert_plot(r, plot)
-        except OSError as e:
-            raise cannot_write(plot, e, "cannot write the plot") from None
-        except DivtraceError:
-            raise
+        _write_plot(r, plot)
     if json_out:
         o.json(r.to_dict())
     else:
-        render_cert(o, r)
-        if plot is not None:
-            o.line(f"wrote {plot}")
+        render_cert(o, r, plot)
     return r.exit_code
+
+
+def _write_plot(r, plot: Path) -> None:
+    from divtrace.cert.plot import write_cert_plot
+    from divtrace.oserrors import cannot_write
+
+    try:
+        write_cert_plot(r, plot)
+    except OSError as e:
+        raise cannot_write(plot, e, "cannot write the plot") from None
