@@ -343,3 +343,11 @@ def test_every_json_key_is_documented(tmp_path):
     keys |= set(d["steps"][0]["weights"]) | set(d["steps"][0]["sequences"])
     missing = sorted(k for k in keys if f"`{k}`" not in doc)
     assert not missing, missing
+
+
+def test_a_killed_writer_reads_as_stopped_not_running(tmp_path):
+    code = ("import sys, os; sys.path.insert(0, %r); from test_cert_ledger import run_loop; "
+            "run_loop(%r, finish=False); os._exit(0)" % (str(Path(__file__).parent), str(tmp_path / "led")))
+    subprocess.run([sys.executable, "-c", code], check=True)  # exits without closing its segment
+    r = certify(tmp_path / "led")
+    assert r.exit_code == 3 and r.reason.startswith("stopped: segment") and "is gone" in r.reason

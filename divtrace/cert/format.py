@@ -15,6 +15,7 @@ logprobs' raw bytes in their dtype (little-endian), one per id; `crc` is the zli
 from __future__ import annotations
 
 import hashlib
+import socket
 import zlib
 
 import numpy as np
@@ -37,6 +38,11 @@ def prompt_key(ids) -> str:
     """16 hex digits identifying a prompt by content: blake2b-64 of its token ids as little-endian int64."""
     a = np.asarray(ids, dtype="<i8")
     return hashlib.blake2b(a.tobytes(), digest_size=8).hexdigest()
+
+
+def host_name() -> str:
+    """This machine's name as segments carry it (letters, digits, '-' and '.', at most 40)."""
+    return "".join(c for c in socket.gethostname() if c.isalnum() or c in "-.")[:40] or "host"
 
 
 def crc(data: bytes) -> int:

@@ -44,6 +44,8 @@ class Weights:
 class Segment:
     name: str
     rank: int | None = None
+    host: str | None = None
+    pid: int | None = None
     closed: bool = False
     status: str | None = None
     error: str | None = None
@@ -118,7 +120,7 @@ def _read_segment(data: LedgerData, seg_path: Path, finished: bool) -> None:
             raise DivtraceError(f"{where}: not a ledger record (unparseable JSON): the segment is damaged") from None
         try:
             if kind == "head":
-                seg.rank = obj.get("rank")
+                seg.rank, seg.host, seg.pid = obj.get("rank"), obj.get("host"), obj.get("pid")
                 data.schemes.add(obj.get("weight_hash_scheme"))
             elif kind == "lp":
                 if blob is None:

@@ -101,6 +101,11 @@ def _verdict(data: LedgerData, reports: list, parting: list) -> tuple[str, str |
         more = "" if data.end is not None else "; the run is still being written (later steps not seen)"
         return "parts", f"step {r.step} parts: {what}{more}"
     if data.end is None:
+        gone = [s for s in data.segments if not s.closed and _writer_gone(s)]
+        if gone:
+            s = gone[0]
+            return "inconclusive", (f"stopped: segment {s.name}'s writer (pid {s.pid} on this host) is gone and "
+                                    "never closed it; the run was killed (no END marker)")
         return "inconclusive", "running"
     if data.end.get("status") != "complete":
         return "inconclusive", f"stopped: the run ended with an error ({data.end.get('error')})"
@@ -121,6 +126,21 @@ def _verdict(data: LedgerData, reports: list, parting: list) -> tuple[str, str |
         if r.status in ("missing", "stale"):
             return "inconclusive", f"{r.status}: step {r.step}: {r.notes[0] if r.notes else r.status}"
     return "certified", None
+
+
+def _writer_gone(seg) -> bool:
+    """True when the segment was written on this host by a process that no longer exists (killed)."""
+    import os
+
+    if seg.host != fmt.host_name() or not isinstance(seg.pid, int):
+        return False
+    try:
+        os.kill(seg.pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _merged_weights(data: LedgerData, step: int, side: str):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -59,7 +58,7 @@ class Ledger:
         meta_path = self.path / fmt.META_FILE
         if not meta_path.exists():
             _write_atomic(meta_path, {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION})
-        host = "".join(c for c in socket.gethostname() if c.isalnum() or c in "-.")[:40] or "host"
+        host = fmt.host_name()
         self.name = f"{fmt.SEGMENT_PREFIX}{label}-r{self.rank}-{host}-{os.getpid()}"
         self._bin = open(self.path / f"{self.name}.bin", "ab")
         self._lines = open(self.path / f"{self.name}.jsonl", "a", encoding="utf-8")
