@@ -125,6 +125,8 @@ def attach(trainer, path, *, rollout_model=None, sync_weights=None, replay="firs
     original_generate = gen_model.generate
 
     def generate(*args, generation_config=None, **kw):
+        if not trainer.model.training:  # evaluation: TRL recomputes nothing to compare with
+            return original_generate(*args, generation_config=generation_config, **kw)
         step = int(trainer.state.global_step)
         if rollout_model is not None and synced["version"] != step:
             with torch.no_grad():
@@ -135,6 +137,7 @@ def attach(trainer, path, *, rollout_model=None, sync_weights=None, replay="firs
         cfg.output_logits, cfg.return_dict_in_generate = True, True
         out = original_generate(*args, generation_config=cfg, **kw)
         ids, mask = kw.get("input_ids", args[0] if args else None), kw.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else mask
         head = gen_model.get_output_embeddings().weight.dtype
         batch = from_generate(out, ids, mask, eos_token_id=trainer.eos_token_ids,
                               token_logprob_fn=lambda lg, tok: trl_logprobs(
@@ -170,7 +173,8 @@ def attach(trainer, path, *, rollout_model=None, sync_weights=None, replay="firs
         def on_train_end(self, args, state, control, **kwargs):
             if not led.closed:
                 led.close()
-                if led.rank == 0:
+                trainer.accelerator.wait_for_everyone()  # every rank's segment closed before the END marker
+                if trainer.accelerator.is_main_process:
                     led.finish()
 
     cb = LedgerCallback()
