@@ -24,6 +24,7 @@ if importlib.util.find_spec("trl") is None:
 
 import torch  # noqa: E402
 
+from divtrace.cert.reader import read_ledger  # noqa: E402
 from divtrace.cert.trl import attach  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -102,7 +103,7 @@ class Oracle:
         return (z[0, tok] - (m + torch.log(s)))[0]
 
 
-def run(tmp_path, prompts, dtype=torch.bfloat16, plant=False, lr=1e-6):
+def run(tmp_path, prompts, dtype=torch.bfloat16, plant=False, lr=1e-6, **attach_kw):
     from transformers import TrainerCallback
 
     model = tiny_llama(dtype)
@@ -124,7 +125,7 @@ def run(tmp_path, prompts, dtype=torch.bfloat16, plant=False, lr=1e-6):
 
     trainer.add_callback(Step())
     led = tmp_path / "ledger"
-    attach(trainer, led, **({"rollout_model": rollout, "sync_weights": sync} if plant else {}))
+    attach(trainer, led, **({"rollout_model": rollout, "sync_weights": sync} if plant else {}), **attach_kw)
     trainer.train()
     return led, oracle, skipped
 
@@ -180,13 +181,22 @@ def test_weight_sync_bug_is_a_weight_mismatch_at_step_2(tmp_path):
 
 
 def test_control_bf16_without_padding_is_bitwise_equal_at_every_step(tmp_path):
-    led, oracle, _ = run(tmp_path, EQUAL)
+    led, oracle, _ = run(tmp_path, EQUAL, replay_steps=(1,), processed=True)
     truth, compared = oracle.first_parting()
     assert truth is None and compared > 0
     code, d, err = cert_json(led)
     assert code == 0, (err, d and d["reason"])
     assert d["verdict"] == "certified" and d["steps_seen"] == 3 and d["tokens_compared"] == compared
     assert all(s["status"] == "equal" and s["tokens_equal"] == s["tokens_compared"] for s in d["steps"])
+    assert all(s["processed_tokens"] == s["tokens_compared"] for s in d["steps"])  # stored apart, not compared
+    # a chosen step's full recording: the replay reproduces the ledger and bisect finds no origin in it
+    cmds = read_ledger(led).replays[1]["command"]
+    rep = subprocess.run(shlex.split(cmds[0]), capture_output=True, text=True)
+    assert rep.returncode == 0 and rep.stdout.count("PASSED:") == 2, rep.stdout + rep.stderr
+    b = subprocess.run([sys.executable, "-m", "divtrace", *shlex.split(cmds[1])[1:], "--json"], capture_output=True,
+                       text=True)
+    bj = json.loads(b.stdout)
+    assert bj["first"] is None and bj["tokens"]["differing"] == 0 and b.returncode in (0, 3), b.stdout[-2000:]
 
 
 def test_unsupported_trl_version_is_a_clear_error(monkeypatch):

@@ -17,7 +17,8 @@ A step is TRL's `global_step` when the completions were generated. Weights are f
 side; `version` is the global step whose weights a side holds (for a separate rollout copy, the step of its
 last `sync_weights`).
 
-`rollout_model` + `sync_weights(trainer_model, rollout_model, step)`: generate with a separate copy of the policy
+`processed=True` also stores the logprobs after generate's logits processors (top-k, top-p; `kind="processed"`,
+never compared). `rollout_model` + `sync_weights(trainer_model, rollout_model, step)`: generate with a separate copy of the policy
 (as an inference engine holds one), synced by your function before each generation. `replay`: save what replays
 a step (batch, generation settings, weights) for the first step that parts (`"first"`), also for the steps in
 `replay_steps`; `divtrace cert` prints the command that records both sides of it and bisects them.
@@ -97,7 +98,7 @@ class _State:
 
 
 def attach(trainer, path, *, rollout_model=None, sync_weights=None, replay="first", replay_steps=(),
-           weights_ref: str | None = None, label: str = "run"):
+           weights_ref: str | None = None, processed: bool = False, label: str = "run"):
     """Turn the ledger on in a TRL GRPOTrainer; returns the callback (already added to the trainer)."""
     trl = _trl()
     from transformers import TrainerCallback
@@ -135,6 +136,7 @@ def attach(trainer, path, *, rollout_model=None, sync_weights=None, replay="firs
         cfg = (generation_config or gen_model.generation_config).__class__.from_dict(
             (generation_config or gen_model.generation_config).to_dict())
         cfg.output_logits, cfg.return_dict_in_generate = True, True
+        cfg.output_scores = bool(processed or cfg.output_scores)
         out = original_generate(*args, generation_config=cfg, **kw)
         ids, mask = kw.get("input_ids", args[0] if args else None), kw.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask
@@ -147,6 +149,8 @@ def attach(trainer, path, *, rollout_model=None, sync_weights=None, replay="firs
         version = synced["version"] if rollout_model is not None else step
         led.rollout(step, batch.prompts, batch.completions, batch.logprobs, weights=gen_model, version=version,
                     temperature=trainer.temperature)
+        if processed and batch.processed is not None:  # after generate's processors (top-k, top-p, ...): apart
+            led.rollout(step, batch.prompts, batch.completions, batch.processed, kind="processed", version=version)
         for p, c, lp in zip(batch.prompts, batch.completions, batch.logprobs):
             key = (tuple(p), tuple(c))
             st.pending[key] += 1
