@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from divtrace.errors import DivtraceError
 
-KL_FLOOR = 1e-12  # an exact 0 KL is drawn here, below the first decade, on the log axis
+KL_FLOOR = 1e-12  # an exact 0 KL is drawn here (or a decade below the smallest KL that is not 0), hollow
 
 
 def write_cert_plot(result, path) -> None:
@@ -24,10 +24,17 @@ def write_cert_plot(result, path) -> None:
     top.plot(xs, [s.equal_fraction for s in steps], marker="o", color="#1d3557")
     top.set_ylabel("tokens bitwise equal")
     top.set_ylim(-0.05, 1.05)
-    bottom.plot(xs, [max(s.kl or 0.0, KL_FLOOR) for s in steps], marker="o", color="#d1495b")
+    positive = [s.kl for s in steps if s.kl]
+    floor = min([KL_FLOOR] + [k / 10 for k in positive])
+    bottom.plot(xs, [s.kl or floor for s in steps], color="#d1495b")
+    for s in steps:
+        bottom.plot([s.step], [s.kl or floor], marker="o", color="#d1495b", fillstyle="full" if s.kl else "none")
     bottom.set_yscale("log")
-    bottom.set_ylabel(f"KL per token (k3; 0 at {KL_FLOOR:g})")
+    bottom.set_ylabel(f"KL per token (k3; hollow: 0, drawn at {floor:.0e})")
     bottom.set_xlabel("step")
+    from matplotlib.ticker import MaxNLocator
+
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     bad = [s.step for s in result.steps if s.weights.get("equal") is False]
     for ax in (top, bottom):
         for x in bad:
