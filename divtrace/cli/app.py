@@ -71,7 +71,7 @@ def _register() -> None:
     _command(app, "record", record_cmd.record)
     _command(app, "show", show_cmd.show)
     _command(app, "bisect", bisect_cmd.bisect)
-    for name in ("repro", "verify", "audit"):
+    for name in ("repro", "verify", "audit", "cert"):
         mod = _optional(f"{name}_cmd")
         if mod is not None:
             _command(app, name, getattr(mod, name))
