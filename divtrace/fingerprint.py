@@ -187,15 +187,45 @@ def reference_hash(t: torch.Tensor) -> str:
 
 
 def hasher(scheme):
-    """The hash function for a trace's `meta["hash_scheme"]`, or None when this divtrace does not know it."""
-    return tensor_hash if scheme == HASH_SCHEME else None
+    """The hash function (tensor -> hex) for a trace's `meta["hash_scheme"]`, or None when this divtrace does not
+    know it. Every scheme a divtrace once wrote stays here, so old traces still read and verify."""
+    if scheme == HASH_SCHEME:
+        return tensor_hash
+    from divtrace.hashing import TENSOR_SCHEME
+
+    if scheme == TENSOR_SCHEME:
+        from divtrace.hashing.tensor import tensor_hash as tensor_hash_v2
+
+        return tensor_hash_v2
+    return None
+
+
+def native_eligible(t: torch.Tensor) -> bool:
+    """Whether the C kernels can read `t` in place: a plain strided CPU tensor, no lazy conjugate/negation bit."""
+    return (t.is_cpu and t.layout == torch.strided and not t.is_conj() and not t.is_neg()
+            and not t.is_quantized)  # (is_cpu: a sixth of the time of device.type, once per recorded value)
+
+
+def finish_stats(t: torch.Tensor, st) -> dict:
+    """The summary stats (ready for JSON) from what a C kernel gave: its summary dict; None for a dtype it takes
+    none of; or its raw tuple (min, max, sum, finite, nan, inf) where some value or the mean is not finite."""
+    if type(st) is dict:  # the usual summary, made in C
+        return st
+    if st is None:
+        return json_safe(summary_stats(t)) if t.is_floating_point() else {}
+    lo, hi, total, finite, nan, inf = st
+    if not finite:  # all NaN/Inf
+        return {"min": "nan", "max": "nan", "mean": "nan", "absmax": "nan", "nan": nan, "inf": inf}
+    mean = total / finite
+    if not math.isfinite(mean):  # the sum of finite values overflowed a double: fp64 near its range
+        mean = repr(mean)
+    return {"min": lo, "max": hi, "mean": mean, "absmax": max(-lo, hi), "nan": nan, "inf": inf}
 
 
 def _native_pass(t: torch.Tensor, stats: bool):
     """(hash, stats or None) from the native kernel in one read of `t` in place, or None when it cannot read
     `t` (not built, not a plain strided CPU tensor, a lazy conjugate/negation bit)."""
-    if (_native is None or not t.is_cpu or t.layout != torch.strided or t.is_conj() or t.is_neg()
-            or t.is_quantized):  # (is_cpu: a sixth of the time of device.type, once per recorded value)
+    if _native is None or not native_eligible(t):
         return None
     n = t.numel()
     if n == 0:
@@ -211,17 +241,7 @@ def _native_pass(t: torch.Tensor, stats: bool):
         u = _OUTER_PTR = (w, w.data_ptr(), w.stride(0), w.shape[1])
     kind = _STATS_KIND.get(t.dtype, 0) if stats else 0
     h, st = _native.fingerprint_summary(t.data_ptr(), es, t.shape, t.stride(), u[1], u[2], u[3], kind)
-    if type(st) is dict or not stats:  # the usual summary, made in C; or no stats asked (None)
-        return h, st
-    if st is None:
-        return h, json_safe(summary_stats(t)) if t.is_floating_point() else {}
-    lo, hi, total, finite, nan, inf = st
-    if not finite:  # all NaN/Inf
-        return h, {"min": "nan", "max": "nan", "mean": "nan", "absmax": "nan", "nan": nan, "inf": inf}
-    mean = total / finite
-    if not math.isfinite(mean):  # the sum of finite values overflowed a double: fp64 near its range
-        mean = repr(mean)
-    return h, {"min": lo, "max": hi, "mean": mean, "absmax": max(-lo, hi), "nan": nan, "inf": inf}
+    return h, (finish_stats(t, st) if stats else None)
 
 
 def fingerprint(t: torch.Tensor) -> tuple[str, dict]:

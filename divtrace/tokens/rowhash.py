@@ -57,14 +57,11 @@ def _mix(s: np.ndarray, rowbytes: int) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def strided_row_hashes(x: torch.Tensor, code: str, rows: int) -> bytes | None:
-    """The row fingerprints of `x`'s token rows for layout `code` (divtrace.tokens.layout), as rows.bin's bytes
-    (little-endian uint64), read in place wherever each row's bytes are contiguous and the rows lie at one
-    stride (a column block of a fused output, a [B, T, H, d] view of a [B, H, T, d] tensor): no copy, no torch
-    op, no array. The same numbers as row_hashes(layout.rows_2d(x, code)). None where the kernel is not built or
-    the rows are not laid out so (the caller copies them then)."""
-    if (_rows_bytes is None or not x.is_cpu or x.layout != torch.strided or x.is_conj() or x.is_neg()
-            or rows < 0):
+def row_layout(x: torch.Tensor, code: str, rows: int) -> tuple[int, int] | None:
+    """(byte step between rows, bytes per row) where `x`'s token rows for layout `code` (divtrace.tokens.layout)
+    can be read in place: each row's bytes contiguous, the rows at one stride (a column block of a fused output, a
+    [B, T, H, d] view of a [B, H, T, d] tensor), `rows` of them (or none). None otherwise (the caller copies)."""
+    if not x.is_cpu or x.layout != torch.strided or x.is_conj() or x.is_neg() or rows < 0:
         return None
     shape, stride = x.shape, x.stride()
     if code == "bht":
@@ -88,14 +85,27 @@ def strided_row_hashes(x: torch.Tensor, code: str, rows: int) -> bytes | None:
         step = stride[1]
     else:
         return None
+    if rows != 0 and rows != shape[0] * (shape[1] if lead == 2 else 1):
+        return None
     es = x.element_size()
-    rowbytes = elems * es
-    if rows == 0 or (rows != shape[0] * (shape[1] if lead == 2 else 1)):
-        return b"" if rows == 0 else None
+    return step * es, elems * es
+
+
+def strided_row_hashes(x: torch.Tensor, code: str, rows: int) -> bytes | None:
+    """The row fingerprints of `x`'s token rows for layout `code` (divtrace.tokens.layout), as rows.bin's bytes
+    (little-endian uint64), read in place where `row_layout` allows: no copy, no torch op, no array. The same
+    numbers as row_hashes(layout.rows_2d(x, code)). None where the kernel is not built or the rows are not laid
+    out so (the caller copies them then)."""
+    got = row_layout(x, code, rows) if _rows_bytes is not None else None
+    if got is None:
+        return None
+    if rows == 0:
+        return b""
+    step, rowbytes = got
     if rowbytes == 0:
         return _mix(np.zeros(rows, dtype=np.uint64), 0).astype("<u8").tobytes()
     lane = 4 if rowbytes % 4 == 0 else 2 if rowbytes % 2 == 0 else 1
-    return _rows_bytes(x.data_ptr(), rows, step * es, rowbytes, _packed_for(rowbytes // lane).data_ptr())
+    return _rows_bytes(x.data_ptr(), rows, step, rowbytes, _packed_for(rowbytes // lane).data_ptr())
 
 
 def row_hashes(rows: torch.Tensor) -> np.ndarray:
