@@ -13,6 +13,7 @@ from divtrace.hashing.boxes import Runs
 from divtrace.hashing.spec import BLOCK
 
 _CHUNK = 1 << 22  # lanes per int64 temporary (32 MiB)
+CPU_MATMUL = True  # CPU tensors take the int64 matmul; tests set it False to run the accelerators' form here
 
 
 def stream_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -20,7 +21,7 @@ def stream_bytes(t: torch.Tensor) -> torch.Tensor:
     flat = flat_bytes(t)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1) if flat.dtype != torch.complex32 else flat.view(torch.float16)
-    if flat.dtype == torch.bool or flat.element_size() > 1:
+    if flat.dtype != torch.uint8:  # (int8, fp8 and bool too: padding and gathers then take one dtype)
         flat = flat.view(torch.uint8)
     return flat
 
@@ -76,7 +77,7 @@ def dot_last(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     step = max(1, _CHUNK // max(k, 1))
     for s in range(0, x2.shape[0], step):
         c = x2[s:s + step].to(torch.int64)
-        if c.is_cpu:
+        if c.is_cpu and CPU_MATMUL:
             out[:, s:s + c.shape[0]] = (c @ w.t()).t()
         else:
             for r in range(w.shape[0]):
