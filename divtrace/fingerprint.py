@@ -129,10 +129,11 @@ def lanes(t: torch.Tensor) -> torch.Tensor:
     raise AssertionError("unreachable: width 1 always divides")
 
 
-def block_sums(v: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+def block_sums(v: torch.Tensor, fused: bool | None = None, w: torch.Tensor | None = None) -> torch.Tensor:
     """Per block of 1024 lanes, the two inner weighted sums: int64 of shape (2, blocks), wrapping mod 2**64.
-    `fused` picks the CPU matrix-vector path (default: on CPU); both paths compute the same numbers."""
-    w = _WEIGHTS.inner(v.device)
+    `fused` picks the CPU matrix-vector path (default: on CPU); both paths compute the same numbers. `w`: the
+    inner weights [2, 1024] (default this scheme's; divtrace.hashing passes v2's)."""
+    w = _WEIGHTS.inner(v.device) if w is None else w
     n = v.numel()
     full, rest = divmod(n, _BLOCK)
     fused = v.device.type == "cpu" if fused is None else fused

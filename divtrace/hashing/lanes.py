@@ -4,6 +4,8 @@ weighted lane sums. Device-agnostic and sync-free: every shape and index bound c
 shapes), every index tensor is made on the device from aranges, and nothing is read back."""
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +26,15 @@ def stream_bytes(t: torch.Tensor) -> torch.Tensor:
     if flat.dtype != torch.uint8:  # (int8, fp8 and bool too: padding and gathers then take one dtype)
         flat = flat.view(torch.uint8)
     return flat
+
+
+def whole_lanes(t: torch.Tensor) -> torch.Tensor:
+    """The int32 lanes of all of `t` (1-D; zero-padded bytes at the end)."""
+    b = stream_bytes(t)
+    pad = -b.numel() % 4
+    if pad or b.storage_offset() % 4:  # (a slice starting mid-lane: int32 views refuse it)
+        b = F.pad(b, (0, pad)) if pad else torch.empty(b.shape, dtype=torch.uint8, device=b.device).copy_(b)
+    return b.view(torch.int32)
 
 
 def affine(base: int, counts, strides, device) -> torch.Tensor:
@@ -49,7 +60,8 @@ class RunLanes:
             if ph or tail:
                 b = F.pad(b, (ph, tail))
             first = (runs.base * itemsize - ph) // 4
-            self.starts = affine(first, runs.counts, lane_strides, dev)
+            self.first = first if not runs.counts else None  # one run: its start is a host int, no index tensor
+            self.starts = affine(first, runs.counts, lane_strides, dev) if runs.counts else None
             self.phase = first % BLOCK if runs.strides_all_multiple_of(4 * BLOCK, itemsize) else None
         else:  # 1- and 2-byte elements in runs that start at different bytes of their lanes: shift each run
             bs = affine(runs.base * itemsize, runs.counts, [g * itemsize for g in runs.gstrides], dev)
@@ -60,42 +72,73 @@ class RunLanes:
             src = src.clamp(0, run_bytes - 1).expand(*b.shape[:-1], width)
             b = torch.where(valid, b.gather(-1, src), 0).to(torch.uint8)
             self.starts = (bs - ph) >> 2
-            self.phase = None
+            self.first = self.phase = None
         if b.storage_offset() % 4 or not b.is_contiguous():  # (a slice starting mid-lane: int32 views refuse it)
             b = torch.empty(b.shape, dtype=torch.uint8, device=dev).copy_(b)
         self.lanes = b.view(torch.int32)
 
 
+_SCRATCH = threading.local()  # per thread: two recorders may hash at once
+_CPU_SCRATCH = 1 << 18  # int64 elements: 2 MiB, stays in cache between the widening copy and the products
+
+
+def _scratch() -> torch.Tensor:
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None:
+        buf = _SCRATCH.buf = torch.empty(_CPU_SCRATCH, dtype=torch.int64)
+    return buf
+
+
 def dot_last(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """int64 [S, *x.shape[:-1]]: sum_k x[..., k] * w[s, k] mod 2**64 for int32 lanes x [..., K] and int64 w [S, K];
-    in chunks whose int64 temporaries stay under _CHUNK lanes. On CPU an int64 matrix product, elsewhere
-    multiply and sum (accelerators have no int64 matmul); both wrap the same way."""
+    """int64 [S, *x.shape[:-1]]: sum_k x[..., k] * w[s, k] mod 2**64 for int32 lanes x [..., K] and int64 w [S, K].
+    On CPU: widened into a cache-sized scratch buffer, then one int64 matrix-vector product per sum (4x an int64
+    matmul's speed here); elsewhere multiply and sum in chunks (accelerators have no int64 matmul). Both wrap
+    the same way."""
     lead = x.shape[:-1]
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    out = torch.empty(w.shape[0], x2.shape[0], dtype=torch.int64, device=x.device)
-    step = max(1, _CHUNK // max(k, 1))
-    for s in range(0, x2.shape[0], step):
-        c = x2[s:s + step].to(torch.int64)
-        if c.is_cpu and CPU_MATMUL:
-            out[:, s:s + c.shape[0]] = (c @ w.t()).t()
-        else:
+    n = x2.shape[0]
+    out = torch.empty(w.shape[0], n, dtype=torch.int64, device=x.device)
+    if x.is_cpu and CPU_MATMUL:
+        step = max(1, _CPU_SCRATCH // max(k, 1))
+        buf = _scratch() if k <= _CPU_SCRATCH else None
+        for s in range(0, n, step):
+            c = x2[s:s + step]
+            sc = buf[:c.numel()].view(c.shape).copy_(c) if buf is not None else c.to(torch.int64)
+            for r in range(w.shape[0]):
+                torch.mv(sc, w[r], out=out[r, s:s + c.shape[0]])
+    else:
+        step = max(1, _CHUNK // max(k, 1))
+        for s in range(0, n, step):
+            c = x2[s:s + step].to(torch.int64)
             for r in range(w.shape[0]):
                 out[r, s:s + c.shape[0]] = (c * w[r]).sum(-1)
     return out.reshape(w.shape[0], *lead)
 
 
-def run_sums(rl: RunLanes, blocks: int, sums: int = 2, rotate: bool = False) -> torch.Tensor:
-    """int64 [sums, ...]: per leading index of `rl.lanes` (none for a tensor, the row for rows), the weighted sum
-    of its lanes at their global positions, over all runs. `blocks` bounds the global block index (from shapes)."""
+def lane_index(rl: RunLanes) -> torch.Tensor:
+    """int64 [n_runs, L]: the global lane index of every lane of `rl` (made on the device)."""
+    L = rl.lanes.shape[-1]
+    j = torch.arange(L, dtype=torch.int64, device=rl.lanes.device)
+    return (j + rl.first).unsqueeze(0) if rl.first is not None else rl.starts.unsqueeze(-1) + j
+
+
+def rotl1(x: torch.Tensor) -> torch.Tensor:
+    """int32 lanes rotated left by one bit: (x << 1) wraps; the arithmetic x >> 31 is 0 or -1, masked to the bit."""
+    return (x << 1) | ((x >> 31) & 1)
+
+
+def run_sums(rl: RunLanes, blocks: int, sums: int = 2) -> torch.Tensor:
+    """int64 [sums]: the weighted sum of the lanes of a value's runs at their global positions. `blocks` bounds
+    the global block index (from shapes). Runs at one block phase are cut at block boundaries into pieces (a
+    matrix-vector product each, then one outer weight per block); runs at different phases take each lane's own
+    weight."""
     x = rl.lanes
-    if rotate:  # rotl32(x, 1): (x << 1) wraps in int32; the arithmetic x >> 31 is 0 or -1, masked to the bit
-        x = (x << 1) | ((x >> 31) & 1)
     n_runs, L = x.shape[-2], x.shape[-1]
     w, dev = weights.inner(x.device)[:sums], x.device
     if rl.phase is None:  # each lane's own weight, gathered (runs at different phases: no common block cut)
-        idx = rl.starts.unsqueeze(-1) + torch.arange(L, dtype=torch.int64, device=dev)
-        return dot_last(x.reshape(*x.shape[:-2], n_runs * L), weights.lane_weights(idx, blocks, sums).reshape(sums, -1))
+        w_all = weights.lane_weights(lane_index(rl), blocks, sums).reshape(sums, -1)
+        return dot_last(x.reshape(*x.shape[:-2], n_runs * L), w_all)
     ph = rl.phase
     head = min(L, (BLOCK - ph) % BLOCK)
     full = (L - head) // BLOCK
@@ -110,7 +153,11 @@ def run_sums(rl: RunLanes, blocks: int, sums: int = 2, rotate: bool = False) -> 
         pieces.append(dot_last(x[..., L - tail:], w[:, :tail]).unsqueeze(-1))
     s = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
     nq = s.shape[-1]
-    q = (rl.starts >> 10).unsqueeze(-1) + torch.arange(nq, dtype=torch.int64, device=dev)  # [n_runs, nq]
-    u = weights.outer(blocks, dev)[:sums][:, q]  # [sums, n_runs, nq]
+    if rl.first is not None:  # one run: its blocks are consecutive, a slice of the table
+        q0 = rl.first // BLOCK
+        u = weights.outer(blocks, dev)[:sums, q0:q0 + nq]
+    else:
+        q = (rl.starts >> 10).unsqueeze(-1) + torch.arange(nq, dtype=torch.int64, device=dev)  # [n_runs, nq]
+        u = weights.outer(blocks, dev)[:sums][:, q]  # [sums, n_runs, nq]
     u = u.reshape(sums, *([1] * (s.dim() - 3)), n_runs, nq)
     return (s * u).sum((-1, -2))

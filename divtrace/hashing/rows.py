@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from divtrace.fingerprint import native_eligible
-from divtrace.hashing import ROW_SCHEME
+from divtrace.hashing import ROW_SCHEME, weights
 from divtrace.hashing.boxes import Runs, box
-from divtrace.hashing.lanes import RunLanes, run_sums, stream_bytes
+from divtrace.hashing.lanes import RunLanes, dot_last, lane_index, rotl1, stream_bytes
 from divtrace.hashing.spec import BLOCK
 from divtrace.tokens.rowhash import row_layout
 
@@ -31,7 +31,8 @@ if _native is not None and (sys.byteorder != "little" or not hasattr(_native, "r
 __all__ = ["ROW_SCHEME", "row_fingerprints", "strided_row_fingerprints", "combine_rows", "rows_bytes",
            "combine_rows_bytes", "row_dims"]
 _STARTS: dict[tuple, tuple[Runs, bytes]] = {}
-_FIRST_BYTE = array("q", [0]).tobytes()  # the one run of a whole row starts at its byte 0
+_FIRST_BYTE = array("q", [0]).tobytes()
+_WEIGHTS: dict[tuple, torch.Tensor] = {}  # (device, runs, itemsize) -> W_0 of each lane of a row's block [1, lanes]  # the one run of a whole row starts at its byte 0
 
 
 def _runs(local_dims, row_shape, row_offsets, itemsize: int) -> tuple[Runs, bytes]:
@@ -77,9 +78,16 @@ def row_fingerprints(rows: torch.Tensor, row_shape=None, row_offsets=None) -> to
         out = torch.empty(r, dtype=torch.int64)
         _native.row_fingerprints2(rows.data_ptr(), r, got[0], runs.run * es, starts, out.data_ptr())
         return out
-    b = stream_bytes(rows).reshape(r, runs.n_runs, runs.run * es)
-    blocks = -(-_global_row_bytes(local, row_shape, es) // 4) // BLOCK + 1
-    return run_sums(RunLanes(b, runs, es), blocks, sums=1, rotate=True)[0]
+    rl = RunLanes(stream_bytes(rows).reshape(r, runs.n_runs, runs.run * es), runs, es)
+    key = (str(rows.device), runs, es)
+    w = _WEIGHTS.get(key)
+    if w is None:  # W_0 of every lane of the row's block: a function of the layout only, kept (layers repeat it)
+        blocks = -(-_global_row_bytes(local, row_shape, es) // 4) // BLOCK + 1
+        w = weights.lane_weights(lane_index(rl), blocks, sums=1).reshape(1, -1)
+        if len(_WEIGHTS) >= 256:
+            _WEIGHTS.clear()
+        _WEIGHTS[key] = w
+    return dot_last(rotl1(rl.lanes).reshape(r, -1), w)[0]
 
 
 def row_dims(shape, code: str) -> tuple[int, ...]:

@@ -12,10 +12,10 @@ import sys
 
 import torch
 
-from divtrace.fingerprint import IMPLEMENTATION, finish_stats, native_eligible, summary_stats
-from divtrace.hashing import TENSOR_SCHEME
+from divtrace.fingerprint import IMPLEMENTATION, block_sums, finish_stats, native_eligible, summary_stats
+from divtrace.hashing import TENSOR_SCHEME, lanes, weights
 from divtrace.hashing.boxes import Runs, box, global_strides
-from divtrace.hashing.lanes import RunLanes, run_sums, stream_bytes
+from divtrace.hashing.lanes import RunLanes, run_sums, stream_bytes, whole_lanes
 from divtrace.hashing.spec import BLOCK, MASK, to_hex as _hex
 from divtrace.hashing.weights import i64
 from divtrace.records import json_safe
@@ -30,6 +30,7 @@ if _native is not None and (sys.byteorder != "little" or not hasattr(_native, "f
 __all__ = ["TENSOR_SCHEME", "tensor_fingerprint", "tensor_partial", "combine", "to_hex", "hexes", "from_hex",
            "combine_hex", "tensor_hash", "hash_with_stats", "partial_with_stats", "IMPLEMENTATION"]
 ZERO_HASH = "0" * 32
+_PLACES: dict[tuple, tuple] = {}  # (local shape, global shape, offsets, itemsize) -> _place's answer
 _STATS_KIND = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4}  # as in _native.c
 
 
@@ -39,12 +40,18 @@ def _place(t: torch.Tensor, global_shape, offsets) -> tuple[Runs, int, tuple | N
         if offsets is not None:
             raise TypeError("offsets given without global_shape")
         return Runs(t.numel(), (), (), 0), t.numel() * t.element_size(), None
-    runs = box(t.shape, global_shape, offsets)
-    gs = global_strides(global_shape)
-    n = 1
-    for g in global_shape:
-        n *= int(g)
-    return runs, n * t.element_size(), (runs.base, gs)
+    key = (tuple(t.shape), tuple(global_shape), None if offsets is None else tuple(offsets), t.element_size())
+    got = _PLACES.get(key)
+    if got is None:  # (a function of the shapes only: the same few layouts come back every layer)
+        runs = box(t.shape, global_shape, offsets)
+        n = 1
+        for g in global_shape:
+            n *= int(g)
+        got = (runs, n * t.element_size(), (runs.base, global_strides(global_shape)))
+        if len(_PLACES) >= 4096:
+            _PLACES.clear()
+        _PLACES[key] = got
+    return got
 
 
 def _native_sums(t: torch.Tensor, where, stats: bool):
@@ -59,6 +66,10 @@ def _native_sums(t: torch.Tensor, where, stats: bool):
 def _torch_sums(t: torch.Tensor, runs: Runs, global_nbytes: int) -> torch.Tensor:
     if runs.n_runs == 0 or runs.run == 0:
         return torch.zeros(2, dtype=torch.int64, device=t.device)
+    if not runs.counts and runs.base == 0:  # a whole value: blocks from lane 0, v1's block sums with v2's weights
+        v = whole_lanes(t)
+        sums = block_sums(v, fused=v.is_cpu and lanes.CPU_MATMUL, w=weights.inner(v.device))
+        return (sums * weights.outer(sums.shape[1], v.device)).sum(1)
     b = stream_bytes(t).reshape(runs.n_runs, runs.run * t.element_size())
     blocks = -(-global_nbytes // 4) // BLOCK + 1
     return run_sums(RunLanes(b, runs, t.element_size()), blocks)
