@@ -251,3 +251,20 @@ def test_hex_forms_and_combining_stored_partials():
 def test_a_shard_that_does_not_fit_is_one_clear_error(shape, offsets, match):
     with pytest.raises(DivtraceError, match=match):
         T.tensor_partial(torch.zeros(2, 3), shape, offsets)
+
+
+def test_the_documented_test_vectors():
+    """The digits docs/trace-format.md gives reimplementers (a change here is a new scheme, under a new name)."""
+    from divtrace.hashing import rows as RW
+    from helpers import ROOT
+
+    data = torch.arange(1, 11, dtype=torch.uint8)
+    whole, row = T.to_hex(T.tensor_fingerprint(data)), RW.row_fingerprints(data[None]).tolist()[0] & spec.MASK
+    parts = [T.to_hex(T.tensor_partial(data[a:b], (10,), (a,))) for a, b in ((0, 3), (3, 10))]
+    want = ("ef8d6f0f7284f259f1fec87dd6376113", 0xdf1ade1ee509e4b2, 0xe7ad61a8d8c93c9b, 0xa8bfa0dd9b34cacb,
+            ["5ed0f3abb3562ee91c7c215216615b77", "90bc7b63bf2ec370d582a72bbfd6059c"])
+    assert (whole, row, spec.inner_weight(0, 0), spec.outer_weight(0, 0), parts) == want
+    assert T.combine_hex(parts) == whole
+    doc = (ROOT / "docs" / "trace-format.md").read_text()
+    for text in (want[0], f"0x{want[1]:016x}", f"0x{want[2]:016x}", f"0x{want[3]:016x}", *want[4]):
+        assert text in doc, text

@@ -4,12 +4,10 @@ weighted lane sums. Device-agnostic and sync-free: every shape and index bound c
 shapes), every index tensor is made on the device from aranges, and nothing is read back."""
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 
-from divtrace.fingerprint import flat_bytes
+from divtrace.hashing.base import CPU_ROWS, flat_bytes, scratch
 from divtrace.hashing import weights
 from divtrace.hashing.boxes import Runs
 from divtrace.hashing.spec import BLOCK
@@ -78,15 +76,7 @@ class RunLanes:
         self.lanes = b.view(torch.int32)
 
 
-_SCRATCH = threading.local()  # per thread: two recorders may hash at once
-_CPU_SCRATCH = 1 << 18  # int64 elements: 2 MiB, stays in cache between the widening copy and the products
-
-
-def _scratch() -> torch.Tensor:
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None:
-        buf = _SCRATCH.buf = torch.empty(_CPU_SCRATCH, dtype=torch.int64)
-    return buf
+_CPU_SCRATCH = CPU_ROWS * BLOCK  # int64 elements of base.scratch(): 2 MiB, in cache between widening and products
 
 
 def dot_last(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -101,7 +91,7 @@ def dot_last(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = torch.empty(w.shape[0], n, dtype=torch.int64, device=x.device)
     if x.is_cpu and CPU_MATMUL:
         step = max(1, _CPU_SCRATCH // max(k, 1))
-        buf = _scratch() if k <= _CPU_SCRATCH else None
+        buf = scratch().view(-1) if k <= _CPU_SCRATCH else None
         for s in range(0, n, step):
             c = x2[s:s + step]
             sc = buf[:c.numel()].view(c.shape).copy_(c) if buf is not None else c.to(torch.int64)

@@ -14,7 +14,7 @@ from array import array
 import numpy as np
 import torch
 
-from divtrace.fingerprint import native_eligible
+from divtrace.hashing.base import native_eligible
 from divtrace.hashing import ROW_SCHEME, weights
 from divtrace.hashing.boxes import Runs, box
 from divtrace.hashing.lanes import RunLanes, dot_last, lane_index, rotl1, stream_bytes

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from divtrace.fingerprint import IMPLEMENTATION, block_sums, finish_stats, native_eligible, summary_stats
+from divtrace.hashing.base import STATS_KIND as _STATS_KIND, block_sums, finish_stats, native_eligible, summary_stats
 from divtrace.hashing import TENSOR_SCHEME, lanes, weights
 from divtrace.hashing.boxes import Runs, box, global_strides
 from divtrace.hashing.lanes import RunLanes, run_sums, stream_bytes, whole_lanes
@@ -26,12 +26,12 @@ except ImportError:  # built without a C compiler: the torch path computes the s
     _native = None
 if _native is not None and (sys.byteorder != "little" or not hasattr(_native, "fingerprint2")):
     _native = None  # (an extension built from an older _native.c lacks v2: torch until `setup.py build_ext` runs)
+IMPLEMENTATION = "native" if _native is not None else "torch"  # how CPU tensors are hashed (meta.json hash_impl)
 
 __all__ = ["TENSOR_SCHEME", "tensor_fingerprint", "tensor_partial", "combine", "to_hex", "hexes", "from_hex",
            "combine_hex", "tensor_hash", "hash_with_stats", "partial_with_stats", "IMPLEMENTATION"]
 ZERO_HASH = "0" * 32
 _PLACES: dict[tuple, tuple] = {}  # (local shape, global shape, offsets, itemsize) -> _place's answer
-_STATS_KIND = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4}  # as in _native.c
 
 
 def _place(t: torch.Tensor, global_shape, offsets) -> tuple[Runs, int, tuple | None]:
@@ -68,7 +68,7 @@ def _torch_sums(t: torch.Tensor, runs: Runs, global_nbytes: int) -> torch.Tensor
         return torch.zeros(2, dtype=torch.int64, device=t.device)
     if not runs.counts and runs.base == 0:  # a whole value: blocks from lane 0, v1's block sums with v2's weights
         v = whole_lanes(t)
-        sums = block_sums(v, fused=v.is_cpu and lanes.CPU_MATMUL, w=weights.inner(v.device))
+        sums = block_sums(v, weights.inner(v.device), fused=v.is_cpu and lanes.CPU_MATMUL)
         return (sums * weights.outer(sums.shape[1], v.device)).sum(1)
     b = stream_bytes(t).reshape(runs.n_runs, runs.run * t.element_size())
     blocks = -(-global_nbytes // 4) // BLOCK + 1
