@@ -580,11 +580,6 @@ static INLINE void block4_generic(state_t *st, const uint8_t *p, size_t n, uint6
         }                                                                                                      \
     }
 
-DEFINE_CONSUME(consume_generic, , block4_generic, stats_fast_generic)
-#ifdef DIVTRACE_X86
-DEFINE_CONSUME(consume_avx2, __attribute__((target("avx2,f16c"))), block4_avx2, stats_fast_avx2)
-DEFINE_CONSUME(consume_avx512, AVX512_TARGET, block4_avx512, stats_fast_avx2)
-#endif
 
 
 /* ---- lane-gsum128-v2 (divtrace/hashing, docs/trace-format.md "Fingerprint schemes") ----
@@ -649,10 +644,14 @@ static INLINE int32_t masked_lane(const uint8_t *p, size_t k, size_t ph) {
         }                                                                                                      \
     }
 
-DEFINE_CONSUME2(consume2_generic, , block4_generic, stats_fast_generic)
+/* Both schemes' consumers for each ISA. */
+#define DEFINE_CONSUMERS(ISA, ATTR, BLOCK4, STATS)                                                               \
+    DEFINE_CONSUME(consume_##ISA, ATTR, BLOCK4, STATS)                                                         \
+    DEFINE_CONSUME2(consume2_##ISA, ATTR, BLOCK4, STATS)
+DEFINE_CONSUMERS(generic, , block4_generic, stats_fast_generic)
 #ifdef DIVTRACE_X86
-DEFINE_CONSUME2(consume2_avx2, __attribute__((target("avx2,f16c"))), block4_avx2, stats_fast_avx2)
-DEFINE_CONSUME2(consume2_avx512, AVX512_TARGET, block4_avx512, stats_fast_avx2)
+DEFINE_CONSUMERS(avx2, __attribute__((target("avx2,f16c"))), block4_avx2, stats_fast_avx2)
+DEFINE_CONSUMERS(avx512, AVX512_TARGET, block4_avx512, stats_fast_avx2)
 #endif
 
 /* ---- row-gsum64-v2: one 64-bit sum per token row, sum_c rotl32(lane_c, 1) * W_0(c) (mod 2**64), lanes numbered

@@ -43,6 +43,16 @@ def torch_path(matmul: bool = True):
         tensor_v2._native, rows_v2._native, lanes.CPU_MATMUL = saved
 
 
+def all_paths(fn, *args) -> list[list[int]]:
+    """fn(*args) (a v2 fingerprint function) by the C kernel, the torch ops with the CPU's int64 matrix products,
+    and the torch ops in the accelerators' form, as unsigned ints."""
+    got = [unsigned(fn(*args))]
+    for matmul in (True, False):
+        with torch_path(matmul):
+            got.append(unsigned(fn(*args)))
+    return got
+
+
 def chunk_sizes(n: int, k: int) -> list[int]:
     """torch.chunk's piece sizes along a dim of n (fewer than k pieces when n is small, as DTensor's Shard)."""
     return [c.shape[0] for c in torch.empty(n).chunk(k)] if n else [0]

@@ -10,38 +10,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from divtrace import fingerprint, views
 from divtrace.errors import DivtraceError
 from divtrace.hashing import TENSOR_SCHEME, spec, tensor as T, weights
-from fp2_cases import DTYPES, boxes, chunk_sizes, take, torch_path, unsigned, values
+from fp2_cases import DTYPES, all_paths, boxes, chunk_sizes, take, torch_path, unsigned, values
+from native_kernels import kernel  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(T._native is None, reason="divtrace._native not built (no C compiler at install)")
 
 
-def _kernels():
-    have = []
-    for name in ("avx512", "avx2", "generic"):
-        try:
-            T._native.use_isa(name)
-            have.append(name)
-        except (ValueError, AttributeError):
-            pass
-    if T._native is not None:
-        T._native.use_isa(None)
-    return have
-
-
-@pytest.fixture(params=_kernels() or ["none"])
-def kernel(request):
-    T._native.use_isa(request.param)
-    yield request.param
-    T._native.use_isa(None)
-
-
 def _all_paths(x, global_shape=None, offsets=None) -> list[list[int]]:
-    """The partial by the C kernel, the torch ops (CPU matmul form and the accelerators' form)."""
-    got = [unsigned(T.tensor_partial(x, global_shape, offsets))]
-    for matmul in (True, False):
-        with torch_path(matmul):
-            got.append(unsigned(T.tensor_partial(x, global_shape, offsets)))
-    return got
+    return all_paths(T.tensor_partial, x, global_shape, offsets)
 
 
 def test_torch_weights_are_the_spec_formula():

@@ -10,27 +10,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from divtrace.hashing import rows as RW, spec
 from divtrace.tokens import layout, rowhash
-from fp2_cases import DTYPES, boxes, chunk_sizes, take, torch_path, unsigned, values
+from fp2_cases import DTYPES, all_paths, boxes, chunk_sizes, take, unsigned, values
+from native_kernels import kernel  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(RW._native is None, reason="divtrace._native not built (no C compiler at install)")
 
 
-@pytest.fixture(params=["avx512", "avx2", "generic"])
-def kernel(request):
-    try:
-        RW._native.use_isa(request.param)
-    except ValueError:
-        pytest.skip(f"no {request.param} on this CPU")
-    yield request.param
-    RW._native.use_isa(None)
-
-
 def _all_paths(rows, row_shape=None, row_offsets=None) -> list[list[int]]:
-    got = [unsigned(RW.row_fingerprints(rows, row_shape, row_offsets))]
-    for matmul in (True, False):
-        with torch_path(matmul):
-            got.append(unsigned(RW.row_fingerprints(rows, row_shape, row_offsets)))
-    return got
+    return all_paths(RW.row_fingerprints, rows, row_shape, row_offsets)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

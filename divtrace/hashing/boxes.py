@@ -2,6 +2,7 @@
 each contiguous both in the box's own row-major order and in the global one (pure Python, no torch)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from divtrace.errors import DivtraceError
@@ -27,10 +28,7 @@ class Runs:
 
     @property
     def n_runs(self) -> int:
-        n = 1
-        for c in self.counts:
-            n *= c
-        return n
+        return math.prod(self.counts)
 
     def starts(self) -> list[int]:
         """Global element index of each run's first element, in order (host ints)."""

@@ -8,6 +8,7 @@ tensor [R] on the device; `rows_bytes` makes rows.bin's bytes later, on the host
 """
 from __future__ import annotations
 
+import math
 import sys
 from array import array
 
@@ -53,13 +54,6 @@ def _runs(local_dims, row_shape, row_offsets, itemsize: int) -> tuple[Runs, byte
     return got
 
 
-def _global_row_bytes(local_dims, row_shape, itemsize: int) -> int:
-    n = itemsize
-    for g in (row_shape if row_shape is not None else local_dims):
-        n *= int(g)
-    return n
-
-
 def row_fingerprints(rows: torch.Tensor, row_shape=None, row_offsets=None) -> torch.Tensor:
     """int64 [R] on `rows`' device: the fingerprint of each row of `rows` ([R, *row dims], any layout), or with
     `row_shape` (the global row dims) and `row_offsets`, each row's partial for the block it holds. `combine_rows`
@@ -82,7 +76,7 @@ def row_fingerprints(rows: torch.Tensor, row_shape=None, row_offsets=None) -> to
     key = (str(rows.device), runs, es)
     w = _WEIGHTS.get(key)
     if w is None:  # W_0 of every lane of the row's block: a function of the layout only, kept (layers repeat it)
-        blocks = -(-_global_row_bytes(local, row_shape, es) // 4) // BLOCK + 1
+        blocks = -(-math.prod(row_shape if row_shape is not None else local) * es // 4) // BLOCK + 1
         w = weights.lane_weights(lane_index(rl), blocks, sums=1).reshape(1, -1)
         if len(_WEIGHTS) >= 256:
             _WEIGHTS.clear()

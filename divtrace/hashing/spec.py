@@ -16,6 +16,7 @@ is the fingerprint of the global byte stream with every byte it does not hold se
 from __future__ import annotations
 
 import itertools
+import math
 
 MASK = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -85,7 +86,7 @@ def value_bytes(t) -> bytes:
 def embed(local_bytes: bytes, itemsize: int, local_shape, global_shape, offsets) -> bytes:
     """The global byte stream of a value of `global_shape` that holds `local_bytes` (a box of `local_shape` at
     `offsets`, row-major) and zeros everywhere else."""
-    out = bytearray(itemsize * _prod(global_shape))
+    out = bytearray(itemsize * math.prod(global_shape))
     gstride = _strides(global_shape)
     for k, idx in enumerate(itertools.product(*(range(n) for n in local_shape))):
         g = sum((o + i) * s for o, i, s in zip(offsets, idx, gstride))
@@ -110,13 +111,6 @@ def row_partials(rows, row_shape=None, row_offsets=None) -> list[int]:
             data = embed(data, rows.element_size(), rows.shape[1:], row_shape, row_offsets)
         out.append(row_sum(data))
     return out
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
 
 
 def _strides(shape) -> list[int]:

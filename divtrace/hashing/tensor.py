@@ -8,6 +8,7 @@ the host reads, done in batches).
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -44,10 +45,7 @@ def _place(t: torch.Tensor, global_shape, offsets) -> tuple[Runs, int, tuple | N
     got = _PLACES.get(key)
     if got is None:  # (a function of the shapes only: the same few layouts come back every layer)
         runs = box(t.shape, global_shape, offsets)
-        n = 1
-        for g in global_shape:
-            n *= int(g)
-        got = (runs, n * t.element_size(), (runs.base, global_strides(global_shape)))
+        got = (runs, math.prod(global_shape) * t.element_size(), (runs.base, global_strides(global_shape)))
         if len(_PLACES) >= 4096:
             _PLACES.clear()
         _PLACES[key] = got
