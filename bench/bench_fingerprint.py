@@ -13,7 +13,7 @@ Kinds (each on the same tensor, 1 thread):
   their global lanes costs over hashing them (same bytes, same memory pattern). `copy shard` puts the partial
   against copying the shard and hashing the copy.
 
-    python bench/bench_fingerprint.py [--repeats 4] [--sizes 4K,64K,1M,16M,64M] [--json out.json]
+    python bench/bench_fingerprint.py [--repeats 4] [--sizes 4K,64K,1M,16M,64M] [--isa avx2] [--json out.json]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_record import rounds  # noqa: E402
 
 from divtrace import fingerprint as v1  # noqa: E402
-from divtrace.hashing import lanes as lanes_v2, rows as rows_v2, tensor as tensor_v2  # noqa: E402
+from divtrace.hashing import rows as rows_v2, tensor as tensor_v2  # noqa: E402
 from divtrace.tokens import rowhash  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64, "int8": torch.int8,
@@ -113,10 +113,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="4K,64K,1M,16M,64M")
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--kinds", default=None, help="comma-separated subset of the kinds")
+    ap.add_argument("--isa", default=None, help="C kernel of both tensor schemes: avx512, avx2 or generic (default: "
+                    "the fastest this CPU runs; the old row kernel picks its own)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     assert tensor_v2._native is not None and v1.IMPLEMENTATION == "native", "build the C extensions first"
+    print(f"C kernel: {tensor_v2._native.use_isa(args.isa)}")
     out = []
     print(f"{'kind':<13} {'dtype':<5} {'size':>6} {'old ms':>9} {'new ms':>9} {'new/old':>8}")
     for kind in (args.kinds.split(",") if args.kinds else list(_pairs(_value(torch.float32, 4096, 64)))):
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
                 print(f"{kind:<13} {dname:<5} {s:>6} {row['old_ms']:9.4f} {row['new_ms']:9.4f} {row['ratio']:8.3f}",
                       flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"lanes_chunk": lanes_v2._CHUNK, "results": out}, indent=1))
+        args.json.write_text(json.dumps({"isa": tensor_v2._native.use_isa(args.isa), "results": out}, indent=1))
     return 0
 
 

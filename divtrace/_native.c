@@ -671,21 +671,31 @@ static uint64_t rowsum_generic(const uint8_t *p, size_t n, const wptr_t *w) {
 }
 
 #ifdef DIVTRACE_X86
+/* pmuldq multiplies the low halves of 64-bit slots: the odd lanes' data are shifted down into them, and their
+   weights loaded one lane later (the table goes on past any piece: the next row or table of weights_t). */
+__attribute__((target("avx2"))) static INLINE void rowsum8_avx2(const uint8_t *p, const wptr_t *w, size_t j, __m256i *a,
+                                                               __m256i *c) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)(p + 4 * j));
+    x = _mm256_or_si256(_mm256_slli_epi32(x, 1), _mm256_srli_epi32(x, 31));
+    __m256i even = _mm256_mul_epi32(x, _mm256_loadu_si256((const __m256i *)(w->wl0 + j)));
+    __m256i odd = _mm256_mul_epi32(_mm256_srli_epi64(x, 32), _mm256_loadu_si256((const __m256i *)(w->wl0 + j + 1)));
+    *a = _mm256_add_epi64(*a, _mm256_add_epi64(even, odd));
+    *c = _mm256_add_epi32(*c, _mm256_mullo_epi32(x, _mm256_loadu_si256((const __m256i *)(w->wh0 + j))));
+}
+
 __attribute__((target("avx2"))) static uint64_t rowsum_avx2(const uint8_t *p, size_t n, const wptr_t *w) {
-    __m256i a = _mm256_setzero_si256(), b = a, c = a;
+    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
     size_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(p + 4 * j));
-        x = _mm256_or_si256(_mm256_slli_epi32(x, 1), _mm256_srli_epi32(x, 31));
-        __m256i wl = _mm256_loadu_si256((const __m256i *)(w->wl0 + j));
-        a = _mm256_add_epi64(a, _mm256_mul_epi32(x, wl));
-        b = _mm256_add_epi64(b, _mm256_mul_epi32(_mm256_srli_epi64(x, 32), _mm256_srli_epi64(wl, 32)));
-        c = _mm256_add_epi32(c, _mm256_mullo_epi32(x, _mm256_loadu_si256((const __m256i *)(w->wh0 + j))));
+    for (; j + 16 <= n; j += 16) {
+        rowsum8_avx2(p, w, j, &a, &c);
+        rowsum8_avx2(p, w, j + 8, &b, &d);
     }
+    if (j + 8 <= n)
+        rowsum8_avx2(p, w, j, &a, &c), j += 8;
     uint64_t ra[4];
     uint32_t ca[8];
     _mm256_storeu_si256((__m256i *)ra, _mm256_add_epi64(a, b));
-    _mm256_storeu_si256((__m256i *)ca, c);
+    _mm256_storeu_si256((__m256i *)ca, _mm256_add_epi32(c, d));
     uint64_t r = ra[0] + ra[1] + ra[2] + ra[3];
     uint32_t hi = 0;
     for (int k = 0; k < 8; k++)
