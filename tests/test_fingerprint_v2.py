@@ -244,3 +244,44 @@ def test_the_documented_test_vectors():
     doc = (ROOT / "docs" / "trace-format.md").read_text()
     for text in (want[0], f"0x{want[1]:016x}", f"0x{want[2]:016x}", f"0x{want[3]:016x}", *want[4]):
         assert text in doc, text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(DTYPES), st.lists(st.integers(1, 40), min_size=1, max_size=3), st.integers(0, 2**31),
+       st.integers(0, 2**31))
+def test_property_one_flipped_bit_changes_value_shard_and_row(dtype, shape, where, seed):
+    """Any one bit, anywhere: the whole fingerprint, the partial of the shard holding it (a Shard(last dim) cut
+    at a random column) and the fingerprint of its row all change."""
+    from divtrace.hashing import rows as RW
+
+    g = values(dtype, tuple(shape), seed)
+    raw = g.contiguous().view(torch.uint8).reshape(-1).clone()
+    byte, bit = where % raw.numel(), (where // raw.numel()) % 8
+    raw[byte] ^= 1 << bit
+    y = raw.view(dtype).reshape(g.shape)
+    assert T.tensor_hash(y) != T.tensor_hash(g)
+    elem = byte // g.element_size()
+    col, last = elem % shape[-1], shape[-1]
+    cut = seed % (last + 1)
+    off, n = (cut, last - cut) if col >= cut else (0, cut)
+    idx = (0,) * (len(shape) - 1) + (off,)
+    box = tuple(shape[:-1]) + (n,)
+    assert not torch.equal(T.tensor_partial(take(y, idx, box), g.shape, idx),
+                           T.tensor_partial(take(g, idx, box), g.shape, idx))
+    rows_g, rows_y = g.reshape(-1, last), y.reshape(-1, last)
+    r = elem // last
+    assert RW.row_fingerprints(rows_y).tolist()[r] != RW.row_fingerprints(rows_g).tolist()[r]
+
+
+def test_a_trace_of_the_new_scheme_is_accepted_and_an_unknown_one_refused(tmp_path):
+    import json
+
+    from divtrace.trace.meta import read_meta
+
+    for scheme, ok in ((TENSOR_SCHEME, True), ("lane-gsum128-v9", False)):
+        (tmp_path / "meta.json").write_text(json.dumps({"format_version": 1, "mode": "hash", "hash_scheme": scheme}))
+        if ok:
+            assert read_meta(tmp_path)["hash_scheme"] == scheme
+        else:
+            with pytest.raises(DivtraceError, match="unknown to this divtrace"):
+                read_meta(tmp_path)
