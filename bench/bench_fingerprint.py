@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -135,6 +136,12 @@ def main(argv=None) -> int:
                 out.append(row)
                 print(f"{kind:<13} {dname:<5} {s:>6} {row['old_ms']:9.4f} {row['new_ms']:9.4f} {row['ratio']:8.3f}",
                       flush=True)
+    print("\nmedian new/old per kind (sizes from 64K; single small sizes time a few microseconds and are noisy):")
+    for kind in dict.fromkeys(r["kind"] for r in out):
+        rs = [r["ratio"] for r in out if r["kind"] == kind and r["bytes"] >= 64 << 10]
+        fb = [r["ratio"] for r in out if r["kind"] == kind and r["bytes"] >= 64 << 10 and r["dtype"] in ("fp32", "bf16")]
+        print(f"  {kind:<13} all dtypes {statistics.median(rs):.2f}" + (f"   fp32+bf16 {statistics.median(fb):.2f}" if fb else "")
+              if rs else f"  {kind:<13} -")
     if args.json:
         args.json.write_text(json.dumps({"isa": tensor_v2._native.use_isa(args.isa), "results": out}, indent=1))
     return 0

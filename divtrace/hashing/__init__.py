@@ -9,9 +9,11 @@ on that position. So a shard of a value (a box of its global shape at some offse
 torch.chunk make) gives a partial fingerprint from its own bytes and its place alone, and the partials of all
 shards sum (mod 2**64, per 64-bit half) to the fingerprint of the whole value, with no tensor bytes moved.
 
-`spec` is the plain-Python definition (slow; the tests' reference); `tensor` and `rows` compute the same numbers
-with the C kernel (divtrace._native) on CPU tensors and with torch ops elsewhere (any device, no host sync: they
-return int64 tensors on the tensor's device, turned into hex or rows.bin bytes later, in batches).
+Modules: `spec` the plain-Python definition (slow; the tests' reference); `tensor` and `rows` the API, computing
+the same numbers with the C kernel (divtrace._native) on CPU tensors and with torch ops elsewhere (any device, no
+host sync: they return int64 tensors on the tensor's device, turned into hex or rows.bin bytes later, in
+batches); `boxes` where a shard's bytes sit in the global value; `lanes` and `weights` the torch side; `base` what
+this and the old scheme (divtrace.fingerprint) share.
 
 This package does not import torch until one of its modules is imported.
 """
