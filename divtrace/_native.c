@@ -45,18 +45,44 @@
 #include <immintrin.h>
 #endif
 
-static int32_t WL[2][BLOCK] __attribute__((aligned(64)));
-static uint32_t WH[2][BLOCK] __attribute__((aligned(64)));
-static uint64_t W64[2][BLOCK] __attribute__((aligned(64))); /* the weights whole, for vpmullq (AVX-512DQ) */
+/* A scheme's 2 x 1024 inner weights in the three forms the kernels read: WL/WH for the split multiply, whole for
+   vpmullq (AVX-512DQ). WT1: lane32-wsum128 (set from Python); WT2: lane-gsum128-v2 (made here by formula). */
+typedef struct {
+    int32_t wl[2][BLOCK];
+    uint32_t wh[2][BLOCK];
+    uint64_t w64[2][BLOCK];
+} weights_t;
+static weights_t WT1 __attribute__((aligned(64))), WT2 __attribute__((aligned(64)));
 static int have_weights = 0;
+
+/* The weights of one block piece starting at inner index j0 (0 for v1; v2 pieces start at any phase). */
+typedef struct {
+    const int32_t *wl0, *wl1;
+    const uint32_t *wh0, *wh1;
+    const uint64_t *w0, *w1;
+} wptr_t;
+
+static INLINE wptr_t wptr_at(const weights_t *W, size_t j0) {
+    wptr_t w = {W->wl[0] + j0, W->wl[1] + j0, W->wh[0] + j0, W->wh[1] + j0, W->w64[0] + j0, W->w64[1] + j0};
+    return w;
+}
+
+static void split_weight(weights_t *W, int r, int j, uint64_t w) {
+    uint32_t lo = (uint32_t)w, hi = (uint32_t)(w >> 32);
+    W->wl[r][j] = (int32_t)lo;
+    W->wh[r][j] = hi + (lo >> 31); /* WL = lo - 2**32 when lo's top bit is set: carry it into WH */
+    W->w64[r][j] = w;
+}
 
 enum { ST_NONE = 0, ST_F32 = 1, ST_F64 = 2, ST_F16 = 3, ST_BF16 = 4 };
 
 typedef struct {
     /* hash */
-    int lane;              /* bytes per lane */
+    int lane;              /* bytes per lane (v1) */
     const uint64_t *u0, *u1;
-    size_t n_outer, block; /* outer weights available; index of the next block */
+    size_t n_outer, block; /* outer weights available; index of the next block (v1) */
+    uint64_t gpos;         /* v2: the global byte position of the next byte consumed */
+    int v2;
     uint64_t h0, h1;
     /* stats */
     int kind, careful;
@@ -67,26 +93,27 @@ typedef struct {
 /* Lanes j..n-1 of a block of 32-bit lanes, plain C: the reference form of the vector kernels, their tail,
    and the whole block on machines without them (compilers vectorize it there). */
 static INLINE void block_sums32_tail(const uint8_t *p, size_t j, size_t n, uint64_t *r0, uint64_t *r1, uint32_t *c0,
-                                     uint32_t *c1) {
+                                     uint32_t *c1, const wptr_t *w) {
     for (; j < n; j++) {
         int32_t x;
         memcpy(&x, p + 4 * j, 4);
-        *r0 += (uint64_t)((int64_t)x * WL[0][j]);
-        *r1 += (uint64_t)((int64_t)x * WL[1][j]);
-        *c0 += (uint32_t)x * WH[0][j];
-        *c1 += (uint32_t)x * WH[1][j];
+        *r0 += (uint64_t)((int64_t)x * w->wl0[j]);
+        *r1 += (uint64_t)((int64_t)x * w->wl1[j]);
+        *c0 += (uint32_t)x * w->wh0[j];
+        *c1 += (uint32_t)x * w->wh1[j];
     }
 }
 
-static INLINE void block_sums32_generic(const uint8_t *p, size_t n, uint64_t *s0, uint64_t *s1) {
+static INLINE void block_sums32_generic(const uint8_t *p, size_t n, uint64_t *s0, uint64_t *s1, const wptr_t *w) {
     uint64_t r0 = 0, r1 = 0;
     uint32_t c0 = 0, c1 = 0;
-    block_sums32_tail(p, 0, n, &r0, &r1, &c0, &c1);
+    block_sums32_tail(p, 0, n, &r0, &r1, &c0, &c1, w);
     *s0 = r0 + ((uint64_t)c0 << 32);
     *s1 = r1 + ((uint64_t)c1 << 32);
 }
 
-static INLINE void block_sums_narrow(const uint8_t *p, size_t n, int lane, uint64_t *s0, uint64_t *s1) {
+static INLINE void block_sums_narrow(const uint8_t *p, size_t n, int lane, uint64_t *s0, uint64_t *s1,
+                                     const wptr_t *w) {
     uint64_t a0 = 0, a1 = 0;
     uint32_t b0 = 0, b1 = 0;
     for (size_t j = 0; j < n; j++) {
@@ -98,10 +125,10 @@ static INLINE void block_sums_narrow(const uint8_t *p, size_t n, int lane, uint6
         } else {
             x = (int8_t)p[j];
         }
-        a0 += (uint64_t)((int64_t)x * WL[0][j]);
-        a1 += (uint64_t)((int64_t)x * WL[1][j]);
-        b0 += (uint32_t)x * WH[0][j];
-        b1 += (uint32_t)x * WH[1][j];
+        a0 += (uint64_t)((int64_t)x * w->wl0[j]);
+        a1 += (uint64_t)((int64_t)x * w->wl1[j]);
+        b0 += (uint32_t)x * w->wh0[j];
+        b1 += (uint32_t)x * w->wh1[j];
     }
     *s0 = a0 + ((uint64_t)b0 << 32);
     *s1 = a1 + ((uint64_t)b1 << 32);
@@ -340,7 +367,8 @@ __attribute__((target("avx2,f16c"))) static INLINE void stats_fast_avx2(state_t 
 /* One block of 32-bit lanes, hash and statistics from the same loads (the statistics pass over a block in cache
    still cost a quarter of the time). KIND is a constant at each call site, so each dtype gets its own loop. */
 __attribute__((target("avx2,f16c"))) static INLINE void block4_avx2_kind(state_t *st, const uint8_t *p, size_t n,
-                                                                         uint64_t *s0, uint64_t *s1, int kind) {
+                                                                         uint64_t *s0, uint64_t *s1, int kind,
+                                                                         const wptr_t *w) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0;
     __m256 flo = _mm256_set1_ps(INFINITY), fhi = _mm256_set1_ps(-INFINITY), fs = _mm256_setzero_ps();
     __m256 flo2 = flo, fhi2 = fhi, fs2 = fs;
@@ -356,13 +384,14 @@ __attribute__((target("avx2,f16c"))) static INLINE void block4_avx2_kind(state_t
             _mm_prefetch((const char *)(p + 4 * j + PREFETCH_FAR), _MM_HINT_T1);
         }
         __m256i x = _mm256_loadu_si256((const __m256i *)(p + 4 * j)), xo = _mm256_srli_epi64(x, 32);
-        __m256i w0 = _mm256_load_si256((const __m256i *)&WL[0][j]), w1 = _mm256_load_si256((const __m256i *)&WL[1][j]);
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(w->wl0 + j)),
+                w1 = _mm256_loadu_si256((const __m256i *)(w->wl1 + j));
         a0 = _mm256_add_epi64(a0, _mm256_add_epi64(_mm256_mul_epi32(x, w0),
                                                    _mm256_mul_epi32(xo, _mm256_srli_epi64(w0, 32))));
         a1 = _mm256_add_epi64(a1, _mm256_add_epi64(_mm256_mul_epi32(x, w1),
                                                    _mm256_mul_epi32(xo, _mm256_srli_epi64(w1, 32))));
-        b0 = _mm256_add_epi32(b0, _mm256_mullo_epi32(x, _mm256_load_si256((const __m256i *)&WH[0][j])));
-        b1 = _mm256_add_epi32(b1, _mm256_mullo_epi32(x, _mm256_load_si256((const __m256i *)&WH[1][j])));
+        b0 = _mm256_add_epi32(b0, _mm256_mullo_epi32(x, _mm256_loadu_si256((const __m256i *)(w->wh0 + j))));
+        b1 = _mm256_add_epi32(b1, _mm256_mullo_epi32(x, _mm256_loadu_si256((const __m256i *)(w->wh1 + j))));
         if (kind == ST_F32) {
             __m256 f = _mm256_castsi256_ps(x);
             flo = _mm256_min_ps(f, flo), fhi = _mm256_max_ps(f, fhi), fs = _mm256_add_ps(fs, f);
@@ -392,7 +421,7 @@ __attribute__((target("avx2,f16c"))) static INLINE void block4_avx2_kind(state_t
     uint32_t c0 = 0, c1 = 0;
     for (int k = 0; k < 8; k++)
         c0 += ca[k], c1 += cb[k];
-    block_sums32_tail(p, j, n, &r0, &r1, &c0, &c1);
+    block_sums32_tail(p, j, n, &r0, &r1, &c0, &c1, w);
     *s0 = r0 + ((uint64_t)c0 << 32);
     *s1 = r1 + ((uint64_t)c1 << 32);
     if (kind == ST_NONE)
@@ -412,13 +441,13 @@ __attribute__((target("avx2,f16c"))) static INLINE void block4_avx2_kind(state_t
 }
 
 __attribute__((target("avx2,f16c"))) static INLINE void block4_avx2(state_t *st, const uint8_t *p, size_t n,
-                                                                    uint64_t *s0, uint64_t *s1) {
+                                                                    uint64_t *s0, uint64_t *s1, const wptr_t *w) {
     switch (st->kind) {
-    case ST_F32: block4_avx2_kind(st, p, n, s0, s1, ST_F32); break;
-    case ST_BF16: block4_avx2_kind(st, p, n, s0, s1, ST_BF16); break;
-    case ST_F16: block4_avx2_kind(st, p, n, s0, s1, ST_F16); break;
-    case ST_F64: block4_avx2_kind(st, p, n, s0, s1, ST_F64); break;
-    default: block4_avx2_kind(st, p, n, s0, s1, ST_NONE);
+    case ST_F32: block4_avx2_kind(st, p, n, s0, s1, ST_F32, w); break;
+    case ST_BF16: block4_avx2_kind(st, p, n, s0, s1, ST_BF16, w); break;
+    case ST_F16: block4_avx2_kind(st, p, n, s0, s1, ST_F16, w); break;
+    case ST_F64: block4_avx2_kind(st, p, n, s0, s1, ST_F64, w); break;
+    default: block4_avx2_kind(st, p, n, s0, s1, ST_NONE, w);
     }
 }
 
@@ -427,7 +456,7 @@ __attribute__((target("avx2,f16c"))) static INLINE void block4_avx2(state_t *st,
    against the AVX2 kernel's 15-20; an AVX-512 port of the AVX2 kernel's split multiplies was slower than AVX2. */
 #define AVX512_TARGET __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,f16c")))
 AVX512_TARGET static INLINE void block4_avx512_kind(state_t *st, const uint8_t *p, size_t n, uint64_t *s0,
-                                                    uint64_t *s1, int kind) {
+                                                    uint64_t *s1, int kind, const wptr_t *w) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;
     __m512 flo = _mm512_set1_ps(INFINITY), fhi = _mm512_set1_ps(-INFINITY), fs = _mm512_setzero_ps();
     __m512 flo2 = flo, fhi2 = fhi, fs2 = fs;
@@ -441,10 +470,10 @@ AVX512_TARGET static INLINE void block4_avx512_kind(state_t *st, const uint8_t *
         __m512i x = _mm512_loadu_si512((const void *)(p + 4 * j));
         __m512i xl = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(x));
         __m512i xh = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(x, 1));
-        a0 = _mm512_add_epi64(a0, _mm512_mullo_epi64(xl, _mm512_load_si512((const void *)&W64[0][j])));
-        b0 = _mm512_add_epi64(b0, _mm512_mullo_epi64(xh, _mm512_load_si512((const void *)&W64[0][j + 8])));
-        a1 = _mm512_add_epi64(a1, _mm512_mullo_epi64(xl, _mm512_load_si512((const void *)&W64[1][j])));
-        b1 = _mm512_add_epi64(b1, _mm512_mullo_epi64(xh, _mm512_load_si512((const void *)&W64[1][j + 8])));
+        a0 = _mm512_add_epi64(a0, _mm512_mullo_epi64(xl, _mm512_loadu_si512((const void *)(w->w0 + j))));
+        b0 = _mm512_add_epi64(b0, _mm512_mullo_epi64(xh, _mm512_loadu_si512((const void *)(w->w0 + j + 8))));
+        a1 = _mm512_add_epi64(a1, _mm512_mullo_epi64(xl, _mm512_loadu_si512((const void *)(w->w1 + j))));
+        b1 = _mm512_add_epi64(b1, _mm512_mullo_epi64(xh, _mm512_loadu_si512((const void *)(w->w1 + j + 8))));
         /* min/max return their second operand when the first is NaN, as the AVX2 kernel's do */
         if (kind == ST_F32) {
             __m512 f = _mm512_castsi512_ps(x);
@@ -468,7 +497,7 @@ AVX512_TARGET static INLINE void block4_avx512_kind(state_t *st, const uint8_t *
     uint64_t r0 = (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, b0));
     uint64_t r1 = (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a1, b1));
     uint32_t c0 = 0, c1 = 0;
-    block_sums32_tail(p, j, n, &r0, &r1, &c0, &c1);
+    block_sums32_tail(p, j, n, &r0, &r1, &c0, &c1, w);
     *s0 = r0 + ((uint64_t)c0 << 32);
     *s1 = r1 + ((uint64_t)c1 << 32);
     if (kind == ST_NONE)
@@ -488,13 +517,13 @@ AVX512_TARGET static INLINE void block4_avx512_kind(state_t *st, const uint8_t *
 }
 
 AVX512_TARGET static INLINE void block4_avx512(state_t *st, const uint8_t *p, size_t n, uint64_t *s0,
-                                               uint64_t *s1) {
+                                               uint64_t *s1, const wptr_t *w) {
     switch (st->kind) {
-    case ST_F32: block4_avx512_kind(st, p, n, s0, s1, ST_F32); break;
-    case ST_BF16: block4_avx512_kind(st, p, n, s0, s1, ST_BF16); break;
-    case ST_F16: block4_avx512_kind(st, p, n, s0, s1, ST_F16); break;
-    case ST_F64: block4_avx512_kind(st, p, n, s0, s1, ST_F64); break;
-    default: block4_avx512_kind(st, p, n, s0, s1, ST_NONE);
+    case ST_F32: block4_avx512_kind(st, p, n, s0, s1, ST_F32, w); break;
+    case ST_BF16: block4_avx512_kind(st, p, n, s0, s1, ST_BF16, w); break;
+    case ST_F16: block4_avx512_kind(st, p, n, s0, s1, ST_F16, w); break;
+    case ST_F64: block4_avx512_kind(st, p, n, s0, s1, ST_F64, w); break;
+    default: block4_avx512_kind(st, p, n, s0, s1, ST_NONE, w);
     }
 }
 #endif
@@ -520,8 +549,9 @@ static void stats_exact(state_t *st, const uint8_t *p, size_t nbytes) {
     }
 }
 
-static INLINE void block4_generic(state_t *st, const uint8_t *p, size_t n, uint64_t *s0, uint64_t *s1) {
-    block_sums32_generic(p, n, s0, s1);
+static INLINE void block4_generic(state_t *st, const uint8_t *p, size_t n, uint64_t *s0, uint64_t *s1,
+                                  const wptr_t *w) {
+    block_sums32_generic(p, n, s0, s1, w);
     if (st->kind != ST_NONE)
         stats_fast_generic(st, p, 4 * n);
 }
@@ -531,13 +561,14 @@ static INLINE void block4_generic(state_t *st, const uint8_t *p, size_t n, uint6
 #define DEFINE_CONSUME(NAME, ATTR, BLOCK4, STATS)                                                                  \
     ATTR static void NAME(state_t *st, const uint8_t *p, size_t nbytes) {                                     \
         size_t bbytes = (size_t)BLOCK * st->lane;                                                              \
+        const wptr_t w = wptr_at(&WT1, 0);                                                                     \
         while (nbytes) {                                                                                       \
             size_t take = nbytes < bbytes ? nbytes : bbytes, n = take / st->lane;                              \
             uint64_t s0, s1;                                                                                   \
             if (st->lane == 4) {                                                                               \
-                BLOCK4(st, p, n, &s0, &s1);                                                                    \
+                BLOCK4(st, p, n, &s0, &s1, &w);                                                                \
             } else {                                                                                           \
-                block_sums_narrow(p, n, st->lane, &s0, &s1);                                                   \
+                block_sums_narrow(p, n, st->lane, &s0, &s1, &w);                                               \
                 if (st->kind != ST_NONE)                                                                       \
                     STATS(st, p, take);                                                                        \
             }                                                                                                  \
@@ -549,19 +580,188 @@ static INLINE void block4_generic(state_t *st, const uint8_t *p, size_t n, uint6
         }                                                                                                      \
     }
 
-DEFINE_CONSUME(consume_generic, , block4_generic, stats_fast_generic)
+
+
+/* ---- lane-gsum128-v2 (divtrace/hashing, docs/trace-format.md "Fingerprint schemes") ----
+   Lanes are always 4 bytes, numbered by their position in the GLOBAL (unsharded) logical byte stream, so a shard
+   adds its bytes at their global positions: a lane the shard holds only part of counts as the int32 of its bytes
+   with the others zero ("masked"), and the masked parts of a lane held by several shards sum to the lane (their
+   bits are disjoint and exactly one part holds bit 31). Weights: W_r(i) = w_r[i mod 1024] * u_r[i div 1024], with
+   w and u splitmix64 streams (made here and in Python by the same formula, not stored). */
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+static const uint64_t SEED_W[2] = {0x5EED0, 0x5EED1}, SEED_U[2] = {0xB10C0, 0xB10C1};
+
+static INLINE uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static INLINE uint64_t outer2(int r, uint64_t q) { return mix64(SEED_U[r] + (q + 1) * GOLDEN) | 1; }
+
+static void make_weights_v2(void) {
+    for (int r = 0; r < 2; r++)
+        for (int j = 0; j < BLOCK; j++)
+            split_weight(&WT2, r, j, mix64(SEED_W[r] + (uint64_t)(j + 1) * GOLDEN) | 1);
+}
+
+/* k bytes that sit at byte positions ph..ph+k-1 of their lane, the lane's other bytes zero, as an int32. */
+static INLINE int32_t masked_lane(const uint8_t *p, size_t k, size_t ph) {
+    uint32_t v = 0;
+    for (size_t b = 0; b < k; b++)
+        v |= (uint32_t)p[b] << (8 * (ph + b));
+    return (int32_t)v;
+}
+
+/* Consume bytes at global byte position st->gpos: a lane cut by the start or end of the bytes as its masked
+   part; whole lanes in pieces that end at block boundaries, each through the block kernel at its phase. Any cut
+   of the stream gives the same sums (linearity), so staging chunks and runs need no alignment. */
+#define DEFINE_CONSUME2(NAME, ATTR, BLOCK4, STATS)                                                                \
+    ATTR static void NAME(state_t *st, const uint8_t *p, size_t nbytes) {                                     \
+        while (nbytes) {                                                                                       \
+            uint64_t lane = st->gpos >> 2;                                                                     \
+            size_t ph = (size_t)(st->gpos & 3), take;                                                          \
+            if (ph || nbytes < 4) {                                                                            \
+                take = 4 - ph < nbytes ? 4 - ph : nbytes;                                                      \
+                uint64_t x = (uint64_t)(int64_t)masked_lane(p, take, ph);                                      \
+                size_t j = (size_t)(lane % BLOCK);                                                             \
+                st->h0 += x * WT2.w64[0][j] * outer2(0, lane / BLOCK);                                         \
+                st->h1 += x * WT2.w64[1][j] * outer2(1, lane / BLOCK);                                         \
+                if (st->kind != ST_NONE)                                                                       \
+                    STATS(st, p, take);                                                                        \
+            } else {                                                                                           \
+                size_t j0 = (size_t)(lane % BLOCK), n = BLOCK - j0;                                            \
+                if (n > nbytes / 4)                                                                            \
+                    n = nbytes / 4;                                                                            \
+                const wptr_t w = wptr_at(&WT2, j0);                                                            \
+                uint64_t s0, s1;                                                                               \
+                BLOCK4(st, p, n, &s0, &s1, &w);                                                                \
+                st->h0 += s0 * outer2(0, lane / BLOCK);                                                        \
+                st->h1 += s1 * outer2(1, lane / BLOCK);                                                        \
+                take = 4 * n;                                                                                  \
+            }                                                                                                  \
+            p += take, st->gpos += take, nbytes -= take;                                                       \
+        }                                                                                                      \
+    }
+
+/* Both schemes' consumers for each ISA. */
+#define DEFINE_CONSUMERS(ISA, ATTR, BLOCK4, STATS)                                                               \
+    DEFINE_CONSUME(consume_##ISA, ATTR, BLOCK4, STATS)                                                         \
+    DEFINE_CONSUME2(consume2_##ISA, ATTR, BLOCK4, STATS)
+DEFINE_CONSUMERS(generic, , block4_generic, stats_fast_generic)
 #ifdef DIVTRACE_X86
-DEFINE_CONSUME(consume_avx2, __attribute__((target("avx2,f16c"))), block4_avx2, stats_fast_avx2)
-DEFINE_CONSUME(consume_avx512, AVX512_TARGET, block4_avx512, stats_fast_avx2)
+DEFINE_CONSUMERS(avx2, __attribute__((target("avx2,f16c"))), block4_avx2, stats_fast_avx2)
+DEFINE_CONSUMERS(avx512, AVX512_TARGET, block4_avx512, stats_fast_avx2)
 #endif
 
+/* ---- row-gsum64-v2: one 64-bit sum per token row, sum_c rotl32(lane_c, 1) * W_0(c) (mod 2**64), lanes numbered
+   from the row's first byte in its global (unsharded) row. The rotation puts each lane's bit 31 (the sign of an
+   fp32, of the odd bf16 of a pair, of an fp64's high half) at bit 0: a difference made only of sign flips then
+   has odd lane differences, which one 64-bit sum sees like any other (without it, 2**31 * (sum of the weights)). */
+static INLINE uint32_t rotl1(uint32_t x) { return (x << 1) | (x >> 31); }
+
+static uint64_t rowsum_generic(const uint8_t *p, size_t n, const wptr_t *w) {
+    uint64_t s = 0;
+    for (size_t j = 0; j < n; j++) {
+        uint32_t x;
+        memcpy(&x, p + 4 * j, 4);
+        s += (uint64_t)(int64_t)(int32_t)rotl1(x) * w->w0[j];
+    }
+    return s;
+}
+
+#ifdef DIVTRACE_X86
+/* pmuldq multiplies the low halves of 64-bit slots: the odd lanes' data are shifted down into them, and their
+   weights loaded one lane later (the table goes on past any piece: the next row or table of weights_t). */
+__attribute__((target("avx2"))) static INLINE void rowsum8_avx2(const uint8_t *p, const wptr_t *w, size_t j, __m256i *a,
+                                                               __m256i *c) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)(p + 4 * j));
+    x = _mm256_or_si256(_mm256_slli_epi32(x, 1), _mm256_srli_epi32(x, 31));
+    __m256i even = _mm256_mul_epi32(x, _mm256_loadu_si256((const __m256i *)(w->wl0 + j)));
+    __m256i odd = _mm256_mul_epi32(_mm256_srli_epi64(x, 32), _mm256_loadu_si256((const __m256i *)(w->wl0 + j + 1)));
+    *a = _mm256_add_epi64(*a, _mm256_add_epi64(even, odd));
+    *c = _mm256_add_epi32(*c, _mm256_mullo_epi32(x, _mm256_loadu_si256((const __m256i *)(w->wh0 + j))));
+}
+
+__attribute__((target("avx2"))) static uint64_t rowsum_avx2(const uint8_t *p, size_t n, const wptr_t *w) {
+    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+    size_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        rowsum8_avx2(p, w, j, &a, &c);
+        rowsum8_avx2(p, w, j + 8, &b, &d);
+    }
+    if (j + 8 <= n)
+        rowsum8_avx2(p, w, j, &a, &c), j += 8;
+    uint64_t ra[4];
+    uint32_t ca[8];
+    _mm256_storeu_si256((__m256i *)ra, _mm256_add_epi64(a, b));
+    _mm256_storeu_si256((__m256i *)ca, _mm256_add_epi32(c, d));
+    uint64_t r = ra[0] + ra[1] + ra[2] + ra[3];
+    uint32_t hi = 0;
+    for (int k = 0; k < 8; k++)
+        hi += ca[k];
+    for (; j < n; j++) {
+        uint32_t x;
+        memcpy(&x, p + 4 * j, 4);
+        x = rotl1(x);
+        r += (uint64_t)((int64_t)(int32_t)x * w->wl0[j]);
+        hi += x * w->wh0[j];
+    }
+    return r + ((uint64_t)hi << 32);
+}
+
+AVX512_TARGET static uint64_t rowsum_avx512(const uint8_t *p, size_t n, const wptr_t *w) {
+    __m512i a = _mm512_setzero_si512(), b = a;
+    size_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512i x = _mm512_rol_epi32(_mm512_loadu_si512((const void *)(p + 4 * j)), 1);
+        __m512i xl = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(x));
+        __m512i xh = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(x, 1));
+        a = _mm512_add_epi64(a, _mm512_mullo_epi64(xl, _mm512_loadu_si512((const void *)(w->w0 + j))));
+        b = _mm512_add_epi64(b, _mm512_mullo_epi64(xh, _mm512_loadu_si512((const void *)(w->w0 + j + 8))));
+    }
+    uint64_t s = (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a, b));
+    wptr_t rest = *w;
+    rest.w0 += j;
+    return s + rowsum_generic(p + 4 * j, n - j, &rest);
+}
+#endif
+
+typedef uint64_t (*rowsum_fn)(const uint8_t *, size_t, const wptr_t *);
+static rowsum_fn rowsum_fast = rowsum_generic;
+
+/* One row's (or one run's) sum for nbytes at global row byte position g. */
+static uint64_t row_segment(const uint8_t *p, size_t nbytes, uint64_t g) {
+    uint64_t h = 0;
+    while (nbytes) {
+        uint64_t lane = g >> 2;
+        size_t ph = (size_t)(g & 3), take;
+        if (ph || nbytes < 4) {
+            take = 4 - ph < nbytes ? 4 - ph : nbytes;
+            uint32_t v = (uint32_t)masked_lane(p, take, ph);
+            h += (uint64_t)(int64_t)(int32_t)rotl1(v) * WT2.w64[0][lane % BLOCK] * outer2(0, lane / BLOCK);
+        } else {
+            size_t j0 = (size_t)(lane % BLOCK), n = BLOCK - j0;
+            if (n > nbytes / 4)
+                n = nbytes / 4;
+            const wptr_t w = wptr_at(&WT2, j0);
+            h += rowsum_fast(p, n, &w) * outer2(0, lane / BLOCK);
+            take = 4 * n;
+        }
+        p += take, g += take, nbytes -= take;
+    }
+    return h;
+}
+
 typedef void (*consume_fn)(state_t *, const uint8_t *, size_t);
-static consume_fn consume_fast = consume_generic;
+static consume_fn consume_fast = consume_generic, consume2_fast = consume2_generic;
 static const char *isa = "generic";
 
 static void consume(state_t *st, const uint8_t *p, size_t nbytes) {
     if (st->careful)
         stats_exact(st, p, nbytes);
+    else if (st->v2)
+        consume2_fast(st, p, nbytes);
     else
         consume_fast(st, p, nbytes);
 }
@@ -573,16 +773,18 @@ static int select_isa(const char *want) {
     if ((!want || !strcmp(want, "avx512")) && __builtin_cpu_supports("avx512f") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
-        consume_fast = consume_avx512, isa = "avx512";
+        consume_fast = consume_avx512, consume2_fast = consume2_avx512, rowsum_fast = rowsum_avx512;
+        isa = "avx512";
         return 0;
     }
     if ((!want || !strcmp(want, "avx2")) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
-        consume_fast = consume_avx2, isa = "avx2";
+        consume_fast = consume_avx2, consume2_fast = consume2_avx2, rowsum_fast = rowsum_avx2, isa = "avx2";
         return 0;
     }
 #endif
     if (!want || !strcmp(want, "generic")) {
-        consume_fast = consume_generic, isa = "generic";
+        consume_fast = consume_generic, consume2_fast = consume2_generic, rowsum_fast = rowsum_generic;
+        isa = "generic";
         return 0;
     }
     return -1;
@@ -653,114 +855,197 @@ static int read_int64_seq(PyObject *seq, int64_t *out, Py_ssize_t n) {
     return 0;
 }
 
+/* The sequence `seq` of exactly n non-negative ints into out[]: 0, or -1 with an exception set. */
+static int read_dims(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what) {
+    PyObject *f = PySequence_Fast(seq, what);
+    if (!f)
+        return -1;
+    int bad = PySequence_Fast_GET_SIZE(f) != n ? 1 : read_int64_seq(f, out, n) ? -1 : 0;
+    Py_DECREF(f);
+    for (Py_ssize_t d = 0; !bad && d < n; d++)
+        bad = out[d] < 0;
+    if (bad == 1)
+        PyErr_Format(PyExc_ValueError, "%s: unsupported layout (length or a negative entry)", what);
+    return bad ? -1 : 0;
+}
+
+/* shape and strides of a call: nd, or -1 with an exception set. */
+static Py_ssize_t read_shape(PyObject *shape, PyObject *strides, Py_ssize_t es, int64_t *size, int64_t *stride) {
+    Py_ssize_t nd = PySequence_Size(shape);
+    if (nd < 0)
+        return -1;
+    if (nd > MAXDIM || es <= 0) {
+        PyErr_SetString(PyExc_ValueError, "unsupported layout");
+        return -1;
+    }
+    if (read_dims(shape, size, nd, "shape") || read_dims(strides, stride, nd, "strides"))
+        return -1;
+    return nd;
+}
+
+/* Append a dim (stride in bytes) to a layout, merged with the one before it where they are contiguous. */
+static void layout_add(layout_t *L, int64_t size, int64_t sb) {
+    if (size == 1)
+        return;
+    if (L->nd && L->stride[L->nd - 1] == sb * size) {
+        L->size[L->nd - 1] *= size;
+        L->stride[L->nd - 1] = sb;
+    } else {
+        L->size[L->nd] = size, L->stride[L->nd] = sb, L->nd++;
+    }
+}
+
+/* v2 runs: the outer dims (sizes, local byte strides, global element strides) whose every index gives one run of
+   the inner layout, at global element gbase + sum idx * gstride. v1 has none (one run). */
+typedef struct {
+    int nd;
+    int64_t size[MAXDIM], lstride[MAXDIM], gstride[MAXDIM], gbase;
+} outer_t;
+
+static void walk_runs(state_t *st, const layout_t *L, const outer_t *O, uint8_t *stage) {
+    int64_t idx[MAXDIM] = {0};
+    layout_t R = *L;
+    for (;;) {
+        int64_t loff = 0, g = O->gbase;
+        for (int d = 0; d < O->nd; d++)
+            loff += idx[d] * O->lstride[d], g += idx[d] * O->gstride[d];
+        R.base = L->base + loff;
+        st->gpos = (uint64_t)g * L->es;
+        walk(st, &R, stage);
+        int d = O->nd - 1;
+        while (d >= 0 && ++idx[d] == O->size[d])
+            idx[d--] = 0;
+        if (d < 0)
+            break;
+    }
+}
+
+/* Run the kernel over every run into *st (initialized by the caller): 1, or -1 with an exception set. */
+static int execute(state_t *st, const layout_t *L, const outer_t *O, uint64_t numel) {
+    st->lo = INFINITY, st->hi = -INFINITY;
+    uint8_t *stage = NULL;
+    if (!(L->nd == 0 || (L->nd == 1 && L->stride[0] == (int64_t)L->es))) {
+        stage = (uint8_t *)malloc(STAGE);
+        if (!stage)
+            return PyErr_NoMemory(), -1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    walk_runs(st, L, O, stage);
+    if (st->kind != ST_NONE) {
+        if (isfinite(st->lo) && isfinite(st->hi) && isfinite(st->sum)) {
+            st->finite = (int64_t)numel;
+        } else { /* a NaN or an infinity (or a float sum that overflowed): count exactly */
+            st->careful = 1;
+            st->lo = INFINITY, st->hi = -INFINITY, st->sum = 0.0;
+            walk_runs(st, L, O, stage);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(stage);
+    return 1;
+}
+
 static PyObject *py_set_weights(PyObject *self, PyObject *args) {
     unsigned long long ptr;
     if (!PyArg_ParseTuple(args, "K", &ptr))
         return NULL;
     const uint64_t *w = (const uint64_t *)(uintptr_t)ptr; /* int64 tensor (2, BLOCK), contiguous */
     for (int r = 0; r < 2; r++)
-        for (int j = 0; j < BLOCK; j++) {
-            uint32_t lo = (uint32_t)w[r * BLOCK + j], hi = (uint32_t)(w[r * BLOCK + j] >> 32);
-            WL[r][j] = (int32_t)lo;
-            WH[r][j] = hi + (lo >> 31); /* WL = lo - 2**32 when lo's top bit is set: carry it into WH */
-            W64[r][j] = w[r * BLOCK + j];
-        }
+        for (int j = 0; j < BLOCK; j++)
+            split_weight(&WT1, r, j, w[r * BLOCK + j]);
     have_weights = 1;
     Py_RETURN_NONE;
 }
 
-/* The arguments of fingerprint() and fingerprint_summary(), run through the kernel into *st: 1, or 0 when
-   there are no bytes (*st untouched), or -1 with an exception set. */
-static int run_kernel(PyObject *args, state_t *st_out) {
+/* The arguments of fingerprint() and fingerprint_summary() (lane32-wsum128), run through the kernel into *st: 1,
+   or 0 when there are no bytes (*st untouched), or -1 with an exception set. */
+static int run_kernel(PyObject *args, state_t *st) {
     unsigned long long ptr, optr;
     Py_ssize_t es, orow, olen;
     int kind;
     PyObject *shape, *strides;
+    int64_t size[MAXDIM], stride[MAXDIM];
     if (!PyArg_ParseTuple(args, "KnOOKnni", &ptr, &es, &shape, &strides, &optr, &orow, &olen, &kind))
         return -1;
     if (!have_weights) {
         PyErr_SetString(PyExc_RuntimeError, "set_weights() was not called");
         return -1;
     }
-    PyObject *fs = PySequence_Fast(shape, "shape must be a sequence");
-    if (!fs)
+    Py_ssize_t nd = read_shape(shape, strides, es, size, stride);
+    if (nd < 0)
         return -1;
-    PyObject *ft = PySequence_Fast(strides, "strides must be a sequence");
-    if (!ft) {
-        Py_DECREF(fs);
-        return -1;
-    }
-    Py_ssize_t nd = PySequence_Fast_GET_SIZE(fs);
-    int64_t size[MAXDIM], stride[MAXDIM];
-    int bad = nd > MAXDIM || PySequence_Fast_GET_SIZE(ft) != nd || es <= 0;
-    if (!bad && (read_int64_seq(fs, size, nd) || read_int64_seq(ft, stride, nd)))
-        bad = -1;
-    Py_DECREF(fs);
-    Py_DECREF(ft);
-    if (bad == -1)
-        return -1;
-    if (bad) {
-        PyErr_SetString(PyExc_ValueError, "unsupported layout");
-        return -1;
-    }
-    layout_t L;
-    L.base = (const uint8_t *)(uintptr_t)ptr;
-    L.es = (size_t)es;
-    L.nd = 0;
+    layout_t L = {(const uint8_t *)(uintptr_t)ptr, (size_t)es, 0, {0}, {0}};
     uint64_t numel = 1;
     for (Py_ssize_t d = 0; d < nd; d++) {
-        if (size[d] < 0 || stride[d] < 0) {
-            PyErr_SetString(PyExc_ValueError, "negative size or stride");
-            return -1;
-        }
         numel *= (uint64_t)size[d];
-        if (size[d] == 1)
-            continue;
-        int64_t sb = stride[d] * es;
-        if (L.nd && L.stride[L.nd - 1] == sb * size[d]) { /* merges with the dim before it */
-            L.size[L.nd - 1] *= size[d];
-            L.stride[L.nd - 1] = sb;
-        } else {
-            L.size[L.nd] = size[d], L.stride[L.nd] = sb, L.nd++;
-        }
+        layout_add(&L, size[d], stride[d] * es);
     }
     if (numel == 0)
         return 0;
     uint64_t nbytes = numel * (uint64_t)es;
-    state_t st;
-    memset(&st, 0, sizeof st);
-    st.lane = nbytes % 4 == 0 ? 4 : nbytes % 2 == 0 ? 2 : 1;
-    uint64_t blocks = (nbytes / st.lane + BLOCK - 1) / BLOCK;
+    memset(st, 0, sizeof *st);
+    st->lane = nbytes % 4 == 0 ? 4 : nbytes % 2 == 0 ? 2 : 1;
+    uint64_t blocks = (nbytes / st->lane + BLOCK - 1) / BLOCK;
     if ((uint64_t)olen < blocks) {
         PyErr_SetString(PyExc_ValueError, "not enough outer weights");
         return -1;
     }
-    st.u0 = (const uint64_t *)(uintptr_t)optr;
-    st.u1 = st.u0 + orow;
-    st.n_outer = (size_t)olen;
-    st.kind = kind;
-    st.lo = INFINITY, st.hi = -INFINITY;
-    uint8_t *stage = NULL;
-    if (!(L.nd == 0 || (L.nd == 1 && L.stride[0] == es))) {
-        stage = (uint8_t *)malloc(STAGE);
-        if (!stage)
-            return PyErr_NoMemory(), -1;
+    st->u0 = (const uint64_t *)(uintptr_t)optr;
+    st->u1 = st->u0 + orow;
+    st->n_outer = (size_t)olen;
+    st->kind = kind;
+    outer_t O = {0};
+    return execute(st, &L, &O, numel);
+}
+
+/* The arguments of fingerprint2() and fingerprint2_summary() (lane-gsum128-v2): ptr, elem_size, shape, strides
+   (the local tensor, strides in elements), gbase and gstrides (global element index of element (0, ..., 0) and
+   of one step along each dim; None: the tensor is the whole value, row-major), stats_kind. 1, 0 (no bytes) or -1. */
+static int run_kernel2(PyObject *args, state_t *st) {
+    unsigned long long ptr;
+    Py_ssize_t es;
+    long long gbase;
+    int kind;
+    PyObject *shape, *strides, *gstrides_arg;
+    int64_t size[MAXDIM], stride[MAXDIM], gstride[MAXDIM];
+    if (!PyArg_ParseTuple(args, "KnOOLOi", &ptr, &es, &shape, &strides, &gbase, &gstrides_arg, &kind))
+        return -1;
+    Py_ssize_t nd = read_shape(shape, strides, es, size, stride);
+    if (nd < 0)
+        return -1;
+    uint64_t numel = 1;
+    for (Py_ssize_t d = 0; d < nd; d++)
+        numel *= (uint64_t)size[d];
+    if (gstrides_arg == Py_None) {
+        int64_t g = 1;
+        for (Py_ssize_t d = nd - 1; d >= 0; d--)
+            gstride[d] = g, g *= size[d];
+    } else if (read_dims(gstrides_arg, gstride, nd, "gstrides")) {
+        return -1;
     }
-    Py_BEGIN_ALLOW_THREADS
-    walk(&st, &L, stage);
-    if (kind != ST_NONE) {
-        if (isfinite(st.lo) && isfinite(st.hi) && isfinite(st.sum)) {
-            st.finite = (int64_t)numel;
-        } else { /* a NaN or an infinity (or a float sum that overflowed): count exactly */
-            st.careful = 1;
-            st.lo = INFINITY, st.hi = -INFINITY, st.sum = 0.0;
-            walk(&st, &L, stage);
-        }
+    if (gbase < 0) {
+        PyErr_SetString(PyExc_ValueError, "gbase < 0");
+        return -1;
     }
-    Py_END_ALLOW_THREADS
-    free(stage);
-    *st_out = st;
-    return 1;
+    if (numel == 0)
+        return 0;
+    int n = 0; /* dims of size 1 dropped */
+    for (Py_ssize_t d = 0; d < nd; d++)
+        if (size[d] != 1)
+            size[n] = size[d], stride[n] = stride[d], gstride[n] = gstride[d], n++;
+    int k = n; /* dims k.. are contiguous in the global order: each index of dims ..k-1 is one run */
+    for (int64_t expect = 1; k > 0 && gstride[k - 1] == expect; k--)
+        expect *= size[k - 1];
+    layout_t L = {(const uint8_t *)(uintptr_t)ptr, (size_t)es, 0, {0}, {0}};
+    for (int d = k; d < n; d++)
+        layout_add(&L, size[d], stride[d] * es);
+    outer_t O = {k, {0}, {0}, {0}, gbase};
+    for (int d = 0; d < k; d++)
+        O.size[d] = size[d], O.lstride[d] = stride[d] * es, O.gstride[d] = gstride[d];
+    memset(st, 0, sizeof *st);
+    st->v2 = 1;
+    st->kind = kind;
+    return execute(st, &L, &O, numel);
 }
 
 static PyObject *stats_tuple(const state_t *st) {
@@ -768,43 +1053,113 @@ static PyObject *stats_tuple(const state_t *st) {
                          (long long)st->inf);
 }
 
-/* fingerprint(ptr, elem_size, shape, strides, outer_ptr, outer_row_stride, outer_len, stats_kind)
-   -> (h0, h1, stats) with stats None or (min, max, sum, finite, nan, inf). Strides are in elements. The raw
-   numbers: divtrace uses fingerprint_summary; tests build the summary from these to check it. */
-static PyObject *py_fingerprint(PyObject *self, PyObject *args) {
-    state_t st;
-    int r = run_kernel(args, &st);
+/* (h0, h1, stats) with stats None or (min, max, sum, finite, nan, inf), from a kernel run's result r. */
+static PyObject *raw_result(int r, const state_t *st) {
     if (r < 0)
         return NULL;
-    if (r == 0 || st.kind == ST_NONE)
-        return Py_BuildValue("(KKO)", r ? (unsigned long long)st.h0 : 0ULL, r ? (unsigned long long)st.h1 : 0ULL,
+    if (r == 0 || st->kind == ST_NONE)
+        return Py_BuildValue("(KKO)", r ? (unsigned long long)st->h0 : 0ULL, r ? (unsigned long long)st->h1 : 0ULL,
                              Py_None);
-    PyObject *stats = stats_tuple(&st);
-    return stats ? Py_BuildValue("(KKN)", (unsigned long long)st.h0, (unsigned long long)st.h1, stats) : NULL;
+    PyObject *stats = stats_tuple(st);
+    return stats ? Py_BuildValue("(KKN)", (unsigned long long)st->h0, (unsigned long long)st->h1, stats) : NULL;
 }
 
-/* fingerprint_summary(the same arguments) -> (hex hash, stats): stats None without a stats kind, the summary
-   dict divtrace.trace.fingerprint gives when some value is finite and their mean is too, else fingerprint()'s
-   tuple for Python to finish. The same numbers as fingerprint(), less Python around each call (a recording
-   makes one per value, each with caches cold from the forward: ~8 us of formatting apiece). */
-static PyObject *py_fingerprint_summary(PyObject *self, PyObject *args) {
-    state_t st;
-    int r = run_kernel(args, &st);
+/* (hex hash, stats): stats None without a stats kind, the summary dict divtrace.trace.fingerprint gives when some value
+   is finite and their mean is too, else raw_result's tuple for Python to finish. */
+static PyObject *summary_result(int r, const state_t *st) {
     if (r < 0)
         return NULL;
     char hex[33];
-    snprintf(hex, sizeof hex, "%016llx%016llx", r ? (unsigned long long)st.h0 : 0ULL,
-             r ? (unsigned long long)st.h1 : 0ULL);
-    if (r == 0 || st.kind == ST_NONE)
+    snprintf(hex, sizeof hex, "%016llx%016llx", r ? (unsigned long long)st->h0 : 0ULL,
+             r ? (unsigned long long)st->h1 : 0ULL);
+    if (r == 0 || st->kind == ST_NONE)
         return Py_BuildValue("(s#O)", hex, (Py_ssize_t)32, Py_None);
-    double mean = st.finite ? st.sum / (double)st.finite : NAN;
-    if (!st.finite || !isfinite(mean)) {
-        PyObject *stats = stats_tuple(&st);
+    double mean = st->finite ? st->sum / (double)st->finite : NAN;
+    if (!st->finite || !isfinite(mean)) {
+        PyObject *stats = stats_tuple(st);
         return stats ? Py_BuildValue("(s#N)", hex, (Py_ssize_t)32, stats) : NULL;
     }
-    double absmax = st.hi > -st.lo ? st.hi : -st.lo; /* Python's max(-lo, hi) */
-    return Py_BuildValue("(s#{s:d,s:d,s:d,s:d,s:L,s:L})", hex, (Py_ssize_t)32, "min", st.lo, "max", st.hi, "mean",
-                         mean, "absmax", absmax, "nan", (long long)st.nan, "inf", (long long)st.inf);
+    double absmax = st->hi > -st->lo ? st->hi : -st->lo; /* Python's max(-lo, hi) */
+    return Py_BuildValue("(s#{s:d,s:d,s:d,s:d,s:L,s:L})", hex, (Py_ssize_t)32, "min", st->lo, "max", st->hi, "mean",
+                         mean, "absmax", absmax, "nan", (long long)st->nan, "inf", (long long)st->inf);
+}
+
+/* fingerprint(ptr, elem_size, shape, strides, outer_ptr, outer_row_stride, outer_len, stats_kind)
+   -> (h0, h1, stats). Strides are in elements. The raw numbers: divtrace uses fingerprint_summary; tests build
+   the summary from these to check it. */
+static PyObject *py_fingerprint(PyObject *self, PyObject *args) {
+    state_t st;
+    int r = run_kernel(args, &st);
+    return raw_result(r, &st);
+}
+
+/* fingerprint_summary(the same arguments) -> (hex hash, stats): the same numbers as fingerprint(), less Python
+   around each call (a recording makes one per value, each with caches cold from the forward: ~8 us of formatting
+   apiece). */
+static PyObject *py_fingerprint_summary(PyObject *self, PyObject *args) {
+    state_t st;
+    int r = run_kernel(args, &st);
+    return summary_result(r, &st);
+}
+
+static PyObject *py_fingerprint2(PyObject *self, PyObject *args) {
+    state_t st;
+    int r = run_kernel2(args, &st);
+    return raw_result(r, &st);
+}
+
+static PyObject *py_fingerprint2_summary(PyObject *self, PyObject *args) {
+    state_t st;
+    int r = run_kernel2(args, &st);
+    return summary_result(r, &st);
+}
+
+/* row_fingerprints2(ptr, rows, row_stride_bytes, run_bytes, starts, out_ptr): rows at ptr + r * row_stride, each
+   holding len(starts) / 8 runs of run_bytes contiguous bytes, run k at byte starts[k] (int64, native order) of the
+   global row. out_ptr 0: returns the fingerprints as bytes (rows little-endian uint64, what rows.bin holds); else
+   writes rows uint64 there and returns None. */
+static PyObject *py_row_fingerprints2(PyObject *self, PyObject *args) {
+    unsigned long long ptr, optr;
+    Py_ssize_t rows, stride, run_bytes;
+    Py_buffer starts;
+    if (!PyArg_ParseTuple(args, "Knnny*K", &ptr, &rows, &stride, &run_bytes, &starts, &optr))
+        return NULL;
+    Py_ssize_t runs = starts.len / 8;
+    const int64_t *g = (const int64_t *)starts.buf;
+    int bad = rows < 0 || run_bytes < 0 || starts.len % 8;
+    for (Py_ssize_t k = 0; !bad && k < runs; k++)
+        bad = g[k] < 0;
+    if (bad) {
+        PyBuffer_Release(&starts);
+        return PyErr_Format(PyExc_ValueError, "row_fingerprints2: negative rows, run size or start");
+    }
+    PyObject *res = NULL;
+    uint64_t *out = (uint64_t *)(uintptr_t)optr;
+    if (!optr) {
+        res = PyBytes_FromStringAndSize(NULL, rows * 8);
+        if (!res) {
+            PyBuffer_Release(&starts);
+            return NULL;
+        }
+        out = (uint64_t *)PyBytes_AS_STRING(res); /* (bytes data is aligned for any scalar) */
+    }
+    const uint8_t *base = (const uint8_t *)(uintptr_t)ptr;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        uint64_t h = 0;
+        for (Py_ssize_t k = 0; k < runs; k++)
+            h += row_segment(base + r * stride + k * run_bytes, (size_t)run_bytes, (uint64_t)g[k]);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        if (res)
+            h = __builtin_bswap64(h);
+#endif
+        out[r] = h;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&starts);
+    if (res)
+        return res;
+    Py_RETURN_NONE;
 }
 
 static PyObject *py_use_isa(PyObject *self, PyObject *args) {
@@ -827,6 +1182,13 @@ static PyMethodDef methods[] = {
      "fingerprint(ptr, elem_size, shape, strides, outer_ptr, outer_row_stride, outer_len, stats_kind)"},
     {"fingerprint_summary", py_fingerprint_summary, METH_VARARGS,
      "fingerprint_summary(the arguments of fingerprint) -> (hex hash, stats dict, tuple or None)"},
+    {"fingerprint2", py_fingerprint2, METH_VARARGS,
+     "fingerprint2(ptr, elem_size, shape, strides, gbase, gstrides or None, stats_kind) -> (h0, h1, stats): "
+     "lane-gsum128-v2, the local tensor's part of the global value's fingerprint"},
+    {"fingerprint2_summary", py_fingerprint2_summary, METH_VARARGS,
+     "fingerprint2_summary(the arguments of fingerprint2) -> (hex hash, stats dict, tuple or None)"},
+    {"row_fingerprints2", py_row_fingerprints2, METH_VARARGS,
+     "row_fingerprints2(ptr, rows, row_stride_bytes, run_bytes, starts, out_ptr): row-gsum64-v2 per row"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -835,5 +1197,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "divtrace'
 
 PyMODINIT_FUNC PyInit__native(void) {
     select_isa(NULL);
+    make_weights_v2();
     return PyModule_Create(&module);
 }

@@ -11,29 +11,9 @@ import torch
 
 from divtrace.trace import fingerprint as fp
 from divtrace.trace.records import json_safe
+from native_kernels import kernel, native_kernels  # noqa: F401 (kernel: a fixture)
 
 pytestmark = pytest.mark.skipif(fp._native is None, reason="divtrace._native not built (no C compiler at install)")
-
-
-def _kernels():
-    if fp._native is None:
-        return []
-    have = []
-    for name in ("avx512", "avx2", "generic"):
-        try:
-            fp._native.use_isa(name)
-            have.append(name)
-        except ValueError:
-            pass
-    fp._native.use_isa(None)
-    return have
-
-
-@pytest.fixture(params=_kernels() or ["none"])
-def kernel(request):
-    fp._native.use_isa(request.param)
-    yield request.param
-    fp._native.use_isa(None)
 
 
 def test_built_where_a_compiler_is():
@@ -217,7 +197,7 @@ def test_fp64_sum_overflow_is_not_a_nan(kernel):
 
 
 def test_kernels_agree_with_each_other():
-    kernels = _kernels()
+    kernels = native_kernels()
     if len(kernels) < 2:
         pytest.skip("one kernel on this CPU")
     x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).t()

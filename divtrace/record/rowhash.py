@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from divtrace.trace.hashing.rows import row_layout
 
 try:
     from divtrace import _rows as _native_rows
@@ -59,43 +60,19 @@ def _mix(s: np.ndarray, rowbytes: int) -> np.ndarray:
 
 def strided_row_hashes(x: torch.Tensor, code: str, rows: int) -> bytes | None:
     """The row fingerprints of `x`'s token rows for layout `code` (divtrace.trace.token_layout), as rows.bin's bytes
-    (little-endian uint64), read in place wherever each row's bytes are contiguous and the rows lie at one
-    stride (a column block of a fused output, a [B, T, H, d] view of a [B, H, T, d] tensor): no copy, no torch
-    op, no array. The same numbers as row_hashes(layout.rows_2d(x, code)). None where the kernel is not built or
-    the rows are not laid out so (the caller copies them then)."""
-    if (_rows_bytes is None or not x.is_cpu or x.layout != torch.strided or x.is_conj() or x.is_neg()
-            or rows < 0):
+    (little-endian uint64), read in place where `row_layout` allows: no copy, no torch op, no array. The same
+    numbers as row_hashes(layout.rows_2d(x, code)). None where the kernel is not built or the rows are not laid
+    out so (the caller copies them then)."""
+    got = row_layout(x, code, rows) if _rows_bytes is not None else None
+    if got is None:
         return None
-    shape, stride = x.shape, x.stride()
-    if code == "bht":
-        if len(shape) < 3:
-            return None
-        shape = (shape[0], shape[2], shape[1], *shape[3:])
-        stride = (stride[0], stride[2], stride[1], *stride[3:])
-    lead = 1 if code == "n" else 2
-    if len(shape) < lead:
-        return None
-    elems = 1
-    for d in range(len(shape) - 1, lead - 1, -1):  # each row's own dims: row-major without gaps
-        n = shape[d]
-        if n != 1:
-            if stride[d] != elems:
-                return None
-            elems *= n
-    if lead == 1 or shape[1] == 1:
-        step = stride[0]
-    elif shape[0] == 1 or stride[0] == stride[1] * shape[1]:
-        step = stride[1]
-    else:
-        return None
-    es = x.element_size()
-    rowbytes = elems * es
-    if rows == 0 or (rows != shape[0] * (shape[1] if lead == 2 else 1)):
-        return b"" if rows == 0 else None
+    if rows == 0:
+        return b""
+    step, rowbytes = got
     if rowbytes == 0:
         return _mix(np.zeros(rows, dtype=np.uint64), 0).astype("<u8").tobytes()
     lane = 4 if rowbytes % 4 == 0 else 2 if rowbytes % 2 == 0 else 1
-    return _rows_bytes(x.data_ptr(), rows, step * es, rowbytes, _packed_for(rowbytes // lane).data_ptr())
+    return _rows_bytes(x.data_ptr(), rows, step, rowbytes, _packed_for(rowbytes // lane).data_ptr())
 
 
 def row_hashes(rows: torch.Tensor) -> np.ndarray:

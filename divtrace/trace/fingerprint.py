@@ -23,12 +23,12 @@ which one this process uses on the CPU, and traces record it.
 """
 from __future__ import annotations
 
-import math
 import sys
-import threading
 
 import torch
 
+from divtrace.trace.hashing.base import (BLOCK as _BLOCK, STATS_KIND as _STATS_KIND, block_sums as _block_sums,
+                                   finish_stats, flat_bytes, native_eligible, summary_stats)
 from divtrace.trace.records import json_safe
 
 try:
@@ -37,10 +37,7 @@ except ImportError:  # built without a C compiler: the torch path computes the s
     _native = None
 
 HASH_SCHEME = "lane32-wsum128"  # stored in meta.json: a reader verifies bytes only with the scheme that wrote them
-_BLOCK = 1024
 _OUTER_CHUNK = 4096
-_CPU_ROWS = 256  # blocks per scratch fill on CPU: 2 MiB of int64, stays in cache for the two passes
-_DEV_ROWS = 1 << 14  # blocks per step on accelerators: a 128 MiB temporary at most
 
 
 def _odd(shape, seed: int) -> torch.Tensor:
@@ -52,7 +49,6 @@ class _Weights:
     def __init__(self) -> None:
         self._inner: dict[str, torch.Tensor] = {}
         self._outer: dict[str, torch.Tensor] = {}
-        self._local = threading.local()  # the scratch buffer is per thread: two recorders may run at once
 
     def inner(self, device) -> torch.Tensor:
         key = str(device)
@@ -79,12 +75,6 @@ class _Weights:
             have = self._outer["cpu"]
         return have
 
-    def scratch(self) -> torch.Tensor:
-        buf = getattr(self._local, "scratch", None)
-        if buf is None:
-            buf = self._local.scratch = torch.empty(_CPU_ROWS, _BLOCK, dtype=torch.int64)
-        return buf
-
 
 _WEIGHTS = _Weights()
 ZERO_HASH = "0" * 32  # the fingerprint of no bytes
@@ -94,20 +84,7 @@ if _native is not None:
     _native.set_weights(_WEIGHTS.inner("cpu").contiguous().data_ptr())  # the kernel keeps its own copy
 IMPLEMENTATION = "native" if _native is not None else "torch"
 _OUTER_PTR: tuple = (None, 0, 0, -1)  # (CPU outer-weight table, its data_ptr, stride(0), width) for the kernel
-_STATS_KIND = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4}  # as in _native.c
 _LANE_DTYPES = ((4, torch.int32), (2, torch.int16), (1, torch.int8))
-
-
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """`t` in logical order as a 1-D tensor with stride 1 (a view when `t` is contiguous, else a copy)."""
-    t = t.detach()
-    if t.is_conj() or t.is_neg():  # a lazy conjugate/negation: the values are the resolved ones
-        t = t.resolve_conj().resolve_neg()
-    flat = t.contiguous().reshape(-1)
-    if flat.numel() <= 1 and flat.stride() != (1,):
-        # A one-element tensor counts as contiguous whatever its stride, which byte views refuse.
-        flat = flat.as_strided((flat.numel(),), (1,))
-    return flat
 
 
 def lanes(t: torch.Tensor) -> torch.Tensor:
@@ -130,33 +107,9 @@ def lanes(t: torch.Tensor) -> torch.Tensor:
 
 
 def block_sums(v: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
-    """Per block of 1024 lanes, the two inner weighted sums: int64 of shape (2, blocks), wrapping mod 2**64.
-    `fused` picks the CPU matrix-vector path (default: on CPU); both paths compute the same numbers."""
-    w = _WEIGHTS.inner(v.device)
-    n = v.numel()
-    full, rest = divmod(n, _BLOCK)
-    fused = v.device.type == "cpu" if fused is None else fused
-    out = torch.empty(2, full + (1 if rest else 0), dtype=torch.int64, device=v.device)
-    if full:
-        m = v[: full * _BLOCK].view(full, _BLOCK)
-        if fused:
-            scratch = _WEIGHTS.scratch()
-            for s in range(0, full, _CPU_ROWS):
-                c = m[s:s + _CPU_ROWS]
-                sc = scratch[: c.shape[0]]
-                sc.copy_(c)  # widen to int64 in a cache-sized buffer
-                torch.mv(sc, w[0], out=out[0, s:s + c.shape[0]])
-                torch.mv(sc, w[1], out=out[1, s:s + c.shape[0]])
-        else:
-            for s in range(0, full, _DEV_ROWS):
-                c = m[s:s + _DEV_ROWS].to(torch.int64)
-                out[0, s:s + c.shape[0]] = (c * w[0]).sum(1)
-                out[1, s:s + c.shape[0]] = (c * w[1]).sum(1)
-    if rest:
-        tail = v[full * _BLOCK:].to(torch.int64)
-        out[0, full] = (tail * w[0, :rest]).sum()
-        out[1, full] = (tail * w[1, :rest]).sum()
-    return out
+    """Per block of 1024 lanes, the two inner weighted sums of this scheme: int64 (2, blocks), wrapping mod 2**64
+    (divtrace.trace.hashing.base.block_sums with these weights)."""
+    return _block_sums(v, _WEIGHTS.inner(v.device), fused)
 
 
 def tensor_hash(t: torch.Tensor, fused: bool | None = None) -> str:
@@ -187,15 +140,23 @@ def reference_hash(t: torch.Tensor) -> str:
 
 
 def hasher(scheme):
-    """The hash function for a trace's `meta["hash_scheme"]`, or None when this divtrace does not know it."""
-    return tensor_hash if scheme == HASH_SCHEME else None
+    """The hash function (tensor -> hex) for a trace's `meta["hash_scheme"]`, or None when this divtrace does not
+    know it. Every scheme a divtrace once wrote stays here, so old traces still read and verify."""
+    if scheme == HASH_SCHEME:
+        return tensor_hash
+    from divtrace.trace.hashing import TENSOR_SCHEME
+
+    if scheme == TENSOR_SCHEME:
+        from divtrace.trace.hashing.tensor import tensor_hash as tensor_hash_v2
+
+        return tensor_hash_v2
+    return None
 
 
 def _native_pass(t: torch.Tensor, stats: bool):
     """(hash, stats or None) from the native kernel in one read of `t` in place, or None when it cannot read
     `t` (not built, not a plain strided CPU tensor, a lazy conjugate/negation bit)."""
-    if (_native is None or not t.is_cpu or t.layout != torch.strided or t.is_conj() or t.is_neg()
-            or t.is_quantized):  # (is_cpu: a sixth of the time of device.type, once per recorded value)
+    if _native is None or not native_eligible(t):
         return None
     n = t.numel()
     if n == 0:
@@ -211,17 +172,7 @@ def _native_pass(t: torch.Tensor, stats: bool):
         u = _OUTER_PTR = (w, w.data_ptr(), w.stride(0), w.shape[1])
     kind = _STATS_KIND.get(t.dtype, 0) if stats else 0
     h, st = _native.fingerprint_summary(t.data_ptr(), es, t.shape, t.stride(), u[1], u[2], u[3], kind)
-    if type(st) is dict or not stats:  # the usual summary, made in C; or no stats asked (None)
-        return h, st
-    if st is None:
-        return h, json_safe(summary_stats(t)) if t.is_floating_point() else {}
-    lo, hi, total, finite, nan, inf = st
-    if not finite:  # all NaN/Inf
-        return h, {"min": "nan", "max": "nan", "mean": "nan", "absmax": "nan", "nan": nan, "inf": inf}
-    mean = total / finite
-    if not math.isfinite(mean):  # the sum of finite values overflowed a double: fp64 near its range
-        mean = repr(mean)
-    return h, {"min": lo, "max": hi, "mean": mean, "absmax": max(-lo, hi), "nan": nan, "inf": inf}
+    return h, (finish_stats(t, st) if stats else None)
 
 
 def fingerprint(t: torch.Tensor) -> tuple[str, dict]:
@@ -245,27 +196,3 @@ def dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype)
     return name
-
-
-def summary_stats(t: torch.Tensor) -> dict:
-    """min/max/mean/absmax and NaN/Inf counts for float tensors; NaN-aware but cheap when all finite.
-    A summary for people, never compared for equality, so the mean is accumulated in float32 for speed."""
-    if not (t.is_floating_point() and t.numel()):
-        return {}
-    x = t.detach()
-    if x.element_size() == 1:  # fp8 has few kernels
-        x = x.float()
-    lo, hi = torch.aminmax(x)
-    lo, hi = float(lo), float(hi)
-    nan = inf = 0
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        nan = int(torch.isnan(x).sum())
-        inf = int(torch.isinf(x).sum())
-        finite = x[torch.isfinite(x)]
-        lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (math.nan, math.nan)
-        mean = float(finite.double().mean()) if finite.numel() else math.nan
-    else:
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        mean = float(x.sum(dtype=acc)) / x.numel()
-    return {"min": lo, "max": hi, "mean": mean, "absmax": max(abs(lo), abs(hi)) if not math.isnan(lo) else math.nan,
-            "nan": nan, "inf": inf}
