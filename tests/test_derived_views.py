@@ -11,7 +11,7 @@ import torch
 
 from divtrace.compare.values import ValueComparator
 from divtrace.errors import DivtraceError
-from divtrace.trace.fingerprint import fingerprint
+from divtrace.trace.hashing.tensor import hash_with_stats as fingerprint  # the scheme traces are written in
 from divtrace.trace.check import check_trace
 from divtrace.trace.reader import Trace
 from helpers import hf_llama, record_model

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import divtrace
 import divtrace.trace.shards as w
 from divtrace.errors import DivtraceError
-from divtrace.trace.fingerprint import fingerprint
+from divtrace.trace.hashing.tensor import hash_with_stats as fingerprint  # the scheme traces are written in
 from divtrace.trace.check import check_trace
 from divtrace.trace.reader import Trace
 

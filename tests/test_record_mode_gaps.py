@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import divtrace
-from divtrace.trace.fingerprint import fingerprint
+from divtrace.trace.hashing.tensor import hash_with_stats as fingerprint  # the scheme traces are written in
 from divtrace.trace.reader import Trace
 
 

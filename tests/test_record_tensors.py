@@ -10,7 +10,7 @@ from torch import nn
 
 import divtrace
 from divtrace.record import values as recorder
-from divtrace.trace.fingerprint import tensor_hash
+from divtrace.trace.hashing.tensor import tensor_hash  # the scheme traces are written in
 from divtrace.trace.check import check_trace
 from divtrace.trace.reader import Trace
 from test_trace_fixtures import Tiny, cli, record_tiny, tiny_input

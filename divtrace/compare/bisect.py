@@ -78,17 +78,33 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
     if align not in ("auto", "tokens", "calls"):
         raise DivtraceError(f"align must be 'auto', 'tokens' or 'calls', got {align!r}")
     with gc_paused():  # its caches are many small objects in no cycle (a 100k-record bisect: 0.25 s of collections)
+        ta = a if isinstance(a, Trace) else Trace(a)
+        tb = b if isinstance(b, Trace) else Trace(b)
+        same_schemes(ta, tb, "hash_scheme")
         if align != "calls":
             from divtrace.align.tokens import token_alignment_needed
 
-            ta = a if isinstance(a, Trace) else Trace(a)
-            tb = b if isinstance(b, Trace) else Trace(b)
             if token_alignment_needed(ta, tb, forced=align == "tokens"):
+                same_schemes(ta, tb, "row_scheme")
                 from divtrace.compare.token_bisect import token_bisect  # (numpy: only where tokens are aligned)
 
                 return token_bisect(ta, tb, tol=tol, path_map=path_map, n_next=n_next)
             a, b = ta, tb
         return _bisect(a, b, tol, path_map, n_next)
+
+
+def same_schemes(ta: Trace, tb: Trace, which: str) -> None:
+    """Fingerprints of two schemes never compare: two traces written by divtrace versions that fingerprint
+    differently are refused (bad input, naming both), rather than every value reading as different."""
+    if which == "hash_scheme":
+        sa, sb = ta.meta.get("hash_scheme"), tb.meta.get("hash_scheme")
+    else:
+        sa, sb = ((t.meta.get("tokens") or {}).get("row_scheme") for t in (ta, tb))
+    if sa and sb and sa != sb:
+        what = "fingerprint" if which == "hash_scheme" else "token row fingerprint"
+        raise DivtraceError(f"{ta.path} and {tb.path} were recorded with different {what} schemes ({sa} vs {sb}: "
+                            "different divtrace versions), so their fingerprints cannot be compared; record both "
+                            "with one divtrace version")
 
 
 def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) -> BisectResult:

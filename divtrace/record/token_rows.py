@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from divtrace.record.rowhash import row_hashes, strided_row_hashes
+from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes, strided_row_fingerprints
 from divtrace.record.token_identity import TokenTracker
 from divtrace.record.token_store import TokenStoreWriter
 from divtrace.trace import token_layout
@@ -85,9 +85,9 @@ class TokenRows:
             if ref is not None and token_layout.same_rows(ref[0], code, alias[1], t, g.shape):
                 self.store.add_rows_ref(vid, g.call_id, code, ref[1])
                 return
-        hashes = strided_row_hashes(t, code, token_layout.row_count(code, g.shape))
+        hashes = strided_row_fingerprints(t, code, token_layout.row_count(code, g.shape))
         if hashes is None:
-            hashes = row_hashes(token_layout.rows_2d(t, code))
+            hashes = rows_bytes(row_fingerprints(token_layout.rows_2d(t, code)))
         self.store.add_rows(vid, g.call_id, code, hashes)
 
     def close(self) -> dict | None:

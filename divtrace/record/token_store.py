@@ -51,7 +51,7 @@ class TokenStoreWriter:
 
     def add_rows(self, vid: int, call_id: int, code: str, hashes) -> None:
         """`hashes`: a numpy uint64 array, one per token row, or those as little-endian bytes
-        (rowhash.strided_row_hashes); None for a value whose rows cannot be compared."""
+        (hashing.rows.strided_row_fingerprints); None for a value whose rows cannot be compared."""
         if hashes is None:
             self._index.append(f'[{vid},{call_id},"{code}",-1]')
             self.unrowed[code] = self.unrowed.get(code, 0) + 1
@@ -98,7 +98,7 @@ class TokenStoreWriter:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-        from divtrace.record.rowhash import ROW_SCHEME
+        from divtrace.trace.hashing import ROW_SCHEME
 
         return {"row_scheme": ROW_SCHEME, "grids": self.grids, "values_with_rows": self.values + self.shared,
                 "values_sharing_rows": self.shared, "rows": self.rows,

@@ -22,7 +22,8 @@ import weakref
 import torch
 
 from divtrace.trace.derived_views import DERIVABLE_VIEWS, REORDERING, rebuildable, view_fingerprint
-from divtrace.trace.fingerprint import dtype_name, fingerprint
+from divtrace.trace.fingerprint import dtype_name
+from divtrace.trace.hashing.tensor import hash_with_stats as fingerprint
 from divtrace.trace.records import TensorValue
 
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__

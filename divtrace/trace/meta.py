@@ -15,7 +15,7 @@ from divtrace.trace.files import META
 # Fingerprint schemes divtrace.trace.fingerprint accepts, known here without importing it (it imports torch);
 # tests/test_bisect_scale.py checks this against fingerprint.hasher. Any other name is asked of
 # fingerprint.hasher itself, so a scheme added there is accepted too.
-_SCHEMES_KNOWN_WITHOUT_TORCH = frozenset({"lane32-wsum128"})
+_SCHEMES_KNOWN_WITHOUT_TORCH = frozenset({"lane32-wsum128", "lane-gsum128-v2"})
 
 
 def _hasher(scheme):
@@ -92,9 +92,10 @@ def read_meta(path: Path) -> dict:
                             "whose fingerprints cannot be verified; record it again")
     if not _scheme_known(meta["hash_scheme"]):
         from divtrace.trace.fingerprint import HASH_SCHEME
+        from divtrace.trace.hashing import TENSOR_SCHEME
 
         raise DivtraceError(f"{where}: fingerprint scheme {meta['hash_scheme']!r} is unknown to this divtrace "
-                            f"(it knows {HASH_SCHEME!r}); upgrade divtrace"[:300])
+                            f"(it knows {HASH_SCHEME!r} and {TENSOR_SCHEME!r}); upgrade divtrace"[:300])
     if "checksums" in meta and not _checksums_ok(meta["checksums"]):
         raise DivtraceError(f"{where}: field 'checksums' is malformed (edited by hand?)")
     if meta.get("complete") is True and ("checksums" not in meta or meta.get("status") != "complete"):

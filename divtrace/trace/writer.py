@@ -30,7 +30,11 @@ from divtrace.errors import DivtraceError
 from divtrace.oserrors import os_reason
 from divtrace.trace.directory import prepare_trace_dir, release_lock, remove_if_created
 from divtrace.trace.files import CHECKSUMS, META, RECORDS, atomic_write_bytes, compact_encoder, fsync_dir, readable_json
-from divtrace.trace.fingerprint import HASH_SCHEME, IMPLEMENTATION, dtype_name, fingerprint, flat_bytes
+from divtrace.trace.fingerprint import dtype_name, flat_bytes
+# Traces are written in the shard-summable scheme (docs/trace-format.md, "Fingerprint schemes"); the older
+# lane32-wsum128 is still read (divtrace.trace.fingerprint.hasher).
+from divtrace.trace.hashing import TENSOR_SCHEME as HASH_SCHEME
+from divtrace.trace.hashing.tensor import IMPLEMENTATION, hash_with_stats as fingerprint
 from divtrace.trace.records import FORMAT_VERSION, TensorValue, json_safe, record_compact
 from divtrace.trace.shards import ShardStore
 
