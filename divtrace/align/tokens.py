@@ -41,7 +41,7 @@ class TraceTokens:
 
     def __init__(self, trace) -> None:
         self.trace = trace
-        self.index = TokenIndex(trace.path)
+        self.index = token_index(trace)
         self.where: dict[int, tuple[int, int]] = {}
         for cid in sorted(self.index.grids):
             g = self.index.grids[cid]
@@ -197,13 +197,20 @@ def shared_tokens(sa: TraceTokens, sb: TraceTokens) -> list[int]:
     return shared
 
 
+def token_index(trace):
+    """The token files of a trace, or of a run directory's view (its own index: divtrace.align.shards)."""
+    own = getattr(trace, "token_index", None)
+    return own() if callable(own) else TokenIndex(trace.path)
+
+
 def token_alignment_needed(ta, tb, forced: bool = False) -> bool:
     """Whether to align by tokens: both traces carry token identity, and their root calls do not already hold
     the same tokens in the same cells (then pairing calls pairs the same rows, with whole-tensor metrics).
     `forced` (--align tokens): True, or a one-line error naming the trace without tokens."""
-    if not forced and not ((ta.path / TOKENS).exists() and (tb.path / TOKENS).exists()):
+    if not forced and not all(callable(getattr(t, "token_index", None)) or (t.path / TOKENS).exists()
+                              for t in (ta, tb)):
         return False
-    ia, ib = TokenIndex(ta.path), TokenIndex(tb.path)
+    ia, ib = token_index(ta), token_index(tb)
     if not (ia.has_tokens and ib.has_tokens):
         if forced:
             t = ta if not ia.has_tokens else tb

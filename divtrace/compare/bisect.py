@@ -78,8 +78,9 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
     if align not in ("auto", "tokens", "calls"):
         raise DivtraceError(f"align must be 'auto', 'tokens' or 'calls', got {align!r}")
     with gc_paused():  # its caches are many small objects in no cycle (a 100k-record bisect: 0.25 s of collections)
-        ta = a if isinstance(a, Trace) else Trace(a)
-        tb = b if isinstance(b, Trace) else Trace(b)
+        from divtrace.align.shards import open_side  # a run directory: its ranks' global values (docs/sharded.md)
+
+        ta, tb = open_side(a), open_side(b)
         same_schemes(ta, tb, "hash_scheme")
         if align != "calls":
             from divtrace.align.tokens import token_alignment_needed
@@ -88,9 +89,21 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
                 same_schemes(ta, tb, "row_scheme")
                 from divtrace.compare.token_bisect import token_bisect  # (numpy: only where tokens are aligned)
 
-                return token_bisect(ta, tb, tol=tol, path_map=path_map, n_next=n_next)
+                return _sharded(token_bisect(ta, tb, tol=tol, path_map=path_map, n_next=n_next), ta, tb)
             a, b = ta, tb
-        return _bisect(a, b, tol, path_map, n_next)
+        from divtrace.align.shards.view import raise_if_unpairable
+
+        raise_if_unpairable(ta, tb)
+        return _sharded(_bisect(a, b, tol, path_map, n_next), ta, tb)
+
+
+def _sharded(result: BisectResult, ta, tb) -> BisectResult:
+    """A side that is a run directory: say how each side computed the origin (divtrace.compare.shard_cause)."""
+    if getattr(ta, "run", None) is not None or getattr(tb, "run", None) is not None:
+        from divtrace.compare.shard_cause import annotate
+
+        annotate(result, ta, tb)
+    return result
 
 
 def same_schemes(ta: Trace, tb: Trace, which: str) -> None:

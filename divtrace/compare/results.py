@@ -52,6 +52,8 @@ class Divergence:
     # An input of the region that no recorded op made (a parameter, a buffer, bytes written by a kernel torch
     # does not see) and that the other side does not hold: the output differs although the call's inputs agree.
     outside_input: str | None = None
+    # Where a side is a sharded run: how each side computed the value, in words (divtrace.compare.shard_cause)
+    shards: dict | None = None
 
     def to_dict(self) -> dict:
         d = {"index": self.index, "module": self.module, "call": self.call, "op": self.op, "op_b": self.op_b,
@@ -64,6 +66,8 @@ class Divergence:
                   "first_index", "first_a", "first_b", "first_a_bits", "first_b_bits"):
             d[k] = m.get(k)
         d["metrics_available"] = self.diff is not None
+        if self.shards is not None:
+            d["shards"] = self.shards
         return d
 
 

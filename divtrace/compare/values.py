@@ -83,6 +83,9 @@ class ValueComparator:
         self._views = bool((self._full_a and a.vderived) or (self._full_b and b.vderived))
         self._undef_a, self._undef_b = uninitialized_values(a), uninitialized_values(b)
         self._undef = bool(self._undef_a and self._undef_b)
+        # A run directory's values that have no global value (divtrace.align.shards.keys): left out where the
+        # other side holds a global one.
+        self._runs = any(getattr(getattr(t, "trace", t), "groups", None) is not None for t in (a, b))
 
     def _view_equal(self, va: int, vb: int) -> bool:
         """Fingerprints differ: whether the bytes are equal all the same (a derived view's, rebuilt in full mode;
@@ -103,9 +106,18 @@ class ValueComparator:
     def values_available(self) -> bool:
         return self.a.mode == "full" and self.b.mode == "full"
 
+    def _uncompared(self, va: int, vb: int) -> bool:
+        if not self._runs:
+            return False
+        from divtrace.align.shards.keys import uncompared
+
+        return uncompared(self._ka[va], self._kb[vb])
+
     def same(self, va: int, vb: int) -> bool:
         if self.tol is None:
             equal = self._ka[va] == self._kb[vb] or self._view_equal(va, vb) or self._both_undefined(va, vb)
+            if not equal and self._uncompared(va, vb):
+                return True  # (neither counted nor different: one side has no global value here)
             if self._new_pair(va, vb):
                 self.compared += 1
                 self.bitwise_differs += not equal
@@ -128,6 +140,9 @@ class ValueComparator:
     def _judge(self, key: tuple[int, int]) -> bool:
         """With a tolerance: compare a pair not seen before (each distinct pair counts once in `compared`)."""
         va, vb = key
+        if self._uncompared(va, vb):
+            self._same[key] = True
+            return True
         self.compared += 1
         bitwise = self._ka[va] == self._kb[vb] or self._view_equal(va, vb) or self._both_undefined(va, vb)
         result = bitwise
@@ -147,6 +162,8 @@ class ValueComparator:
         try:
             for va, vb in pairs:  # same(), inlined: this loop sees every op output of the run
                 equal = ka[va] == kb[vb] or (views and self._view_equal(va, vb)) or self._both_undefined(va, vb)
+                if not equal and self._runs and self._uncompared(va, vb):
+                    continue
                 prev = seen.get(va, _NONE)
                 if prev is _NONE:
                     seen[va] = vb

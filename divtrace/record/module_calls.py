@@ -76,6 +76,7 @@ class ModuleCalls:
         self.next_call_id = 0
         self._index = 0
         self._root_calls = 0  # calls of the recorded model seen (the first sets the grad-mode settings)
+        self.placements = None  # a rank of a sharded run: the values' layouts (divtrace.record.placements)
 
     def hook(self, modules: list) -> None:
         """Hook every (path, module) of `modules` (the compiled session taps compiled models instead)."""
@@ -210,10 +211,16 @@ class ModuleCalls:
         try:
             if flat is None:
                 flat = flatten_tensors(args, "args", []) + flatten_tensors(kwargs, "kwargs", [])
-            for key, t in flat:
-                t = self._plain(t, path or "<root>")
+            pl = self.placements
+            for key, t0 in flat:
+                t = self._plain(t0, path or "<root>")
                 if t is not None:
-                    pairs.append((key, self._vid_of(t, values, boundary=True)))
+                    if pl is not None:
+                        pl.before_value(t0, t, module, "in", key)
+                    vid = self._vid_of(t, values, boundary=True)
+                    if pl is not None:
+                        pl.after_value(t, vid)
+                    pairs.append((key, vid))
         finally:
             tokens.boundary_path = None
         rec = ModuleEnter(self.take_index(), call_id, path, call, self._recorded_parent(), pairs)
@@ -254,10 +261,15 @@ class ModuleCalls:
         if tokens.layouts_override:
             tokens.boundary_path = tokens.call_paths.get(frame.call_id, "")
         try:
-            for key, t in (flatten_tensors(output, "out", []) if flat is None else flat):
-                t = self._plain(t, "output")
+            pl = self.placements
+            for key, t0 in (flatten_tensors(output, "out", []) if flat is None else flat):
+                t = self._plain(t0, "output")
                 if t is not None:
+                    if pl is not None:
+                        pl.before_value(t0, t, frame.module, "out", key)
                     vid = self._vid_of(t, values, boundary=True, root_output=root)
+                    if pl is not None:
+                        pl.after_value(t, vid)
                     if root and vid not in tokens.rowed:  # made by an op before it was known to be the output
                         tokens.rows(vid, t, root_output=True)
                     pairs.append((key, vid))

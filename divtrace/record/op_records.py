@@ -70,6 +70,9 @@ class OpRecorder:
         self._plain, self._vid_of, self._produced = values.plain, values.vid_of, values.produced
         self.writer = None  # the TraceWriter, from the start of the block
         self._mode = None
+        # A rank of a sharded run (divtrace.record.placements, .collectives): layouts of the values, collectives
+        self.placements = None
+        self.collectives = None
 
     def push_mode(self) -> None:
         """Push the dispatch mode, for the whole block: never popped between module calls, so a dispatch mode
@@ -101,7 +104,7 @@ class OpRecorder:
             return out
         # An op that writes none of its arguments leaves them as they were: its inputs are fingerprinted after it
         # ran, so a weight streams from memory once, for the op, and is hashed from cache right after.
-        after, name, is_view, mutated, written_early = info
+        after, name, is_view, mutated, written_early, collective = info
         if after:
             out = func(*args, **kwargs)
         with _BUSY:
@@ -120,17 +123,24 @@ class OpRecorder:
                 local = {id(t): p for t, p in zip(tensors_in, plain_in)}
                 enc_args = [self._encode(a, values, vids, local) for a in args]
                 enc_kwargs = {k: self._encode(v, values, vids, local) for k, v in kwargs.items()}
+                if self.placements is not None:
+                    self.placements.op_inputs(tensors_in, plain_in, vids)
         self._values.bumped = None
         if not after:
             out = func(*args, **kwargs)
             if mutated:
                 self._note_writes(func, args, kwargs)
+        got = out
+        if collective is not None:  # done before its result is read (divtrace.record.collectives)
+            from divtrace.record.collectives import settle
+
+            got = settle(func, collective, out)
         if not plain:
             return out
         with _BUSY:
-            outs = op_tensors(out, [])
+            outs = op_tensors(got, [])
             writes = None
-            if out is None:  # returns nothing, writes its result into arguments (vLLM's _C.onednn_mm): those
+            if got is None:  # returns nothing, writes its result into arguments (vLLM's _C.onednn_mm): those
                 outs, writes = [], []  # are its outputs, and `out` says which arguments hold them
                 for pos, arg in mutated:
                     where = pos if pos < len(args) else arg
@@ -141,10 +151,17 @@ class OpRecorder:
             if not outs or any(p is None for p in plain_out):
                 return out
             index = self._take_index()
+            pl = self.placements
+            if pl is not None:
+                lays = (self.collectives.outputs(func, collective, args, plain_out, index)
+                        if collective is not None else None)
+                pl.op_outputs(func, name, args, vids, tensors_in, plain_in, outs, plain_out, lays)
             out_vids = [self._produced(p, index, plain_in, values, name, enc_args, is_view, enc_kwargs)
                         for p in plain_out]
+            if pl is not None:
+                pl.bind_outputs(plain_out, out_vids)
             vid_by_id = {id(t): v for t, v in zip(outs, out_vids)}
-            enc_out = self._encode_out(out, vid_by_id) if writes is None else {"$writes": writes}
+            enc_out = self._encode_out(got, vid_by_id) if writes is None else {"$writes": writes}
             rec = OpRecord(index, self._stack[-1].call_id, name, enc_args, enc_kwargs, vids, out_vids, enc_out)
             self.writer.append(rec, values)
         return out
@@ -206,14 +223,22 @@ def encode_constant(x, recurse):
 
 
 _OP_NAMES: dict = {}
-_OP_INFO: dict = {}  # op overload -> (_reads_only, _op_name, is_view, _mutated_args, a custom op that writes):
-# one lookup per op call
+_OP_INFO: dict = {}  # op overload -> (_reads_only, _op_name, is_view, _mutated_args, a custom op that writes,
+# a collective's kind): one lookup per op call
 
 
 def _op_info(func) -> tuple:
+    from divtrace.record.collectives import kind_of
+
+    collective = kind_of(func)
+    if collective is not None:  # c10d's schemas do not mark the argument they write: its inputs are read first
+        pos = collective[1]
+        mutated = [] if pos is None else [(pos, func._schema.arguments[pos].name)]
+        info = _OP_INFO[func] = (False, _op_name(func), False, mutated, False, collective)
+        return info
     mutated = _mutated_args(func)
     info = _OP_INFO[func] = (_reads_only(func), _op_name(func), getattr(func, "is_view", False), mutated,
-                             bool(mutated) and _is_custom_op(func))
+                             bool(mutated) and _is_custom_op(func), None)
     return info
 
 

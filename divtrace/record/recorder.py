@@ -50,6 +50,12 @@ class Recorder:
         from divtrace.record.compiled.session import resolve  # torch.compile: divtrace/record/compiled, docs/compiled.md
 
         self.compiled, ops, self._regions = resolve(model, compiled, ops)
+        from divtrace.record.ranks import current_rank, rank_path  # a rank of a sharded run: docs/sharded.md
+
+        self.rank = current_rank()
+        self.placements = None
+        if self.rank is not None:
+            path = rank_path(path, self.rank)
         self._session = None
         self.model, self.path, self.mode, self.ops, self.label = model, path, mode, ops, label
         include_re, exclude_re = compile_filters(include, exclude)
@@ -89,12 +95,18 @@ class Recorder:
                 "model_class": type(self.model).__name__, "settings": numerics_settings(), "view_key": VIEW_KEY,
                 "module_tree": [[name, type(m).__name__] for name, m in modules],
                 **run_environment(device), **self._session.start_meta(), **self._extra_meta}
+        if self.rank is not None:
+            meta["dist"] = self.rank.meta()
         meta["settings"].update(self._session.settings())
         self.writer = TraceWriter(self.path, mode=self.mode, meta=meta, overwrite=self._overwrite,
                                   shard_bytes=self._shard_bytes, flush_records=self._flush_records,
                                   durable=self._durable)
         self.calls.writer = self.values.writer = self.op_records.writer = self.writer
         self.token_rows.open(self.writer.path)
+        if self.rank is not None:
+            from divtrace.record.ranks import attach
+
+            self.placements = attach(self, self.rank)
         ACTIVE_MODELS.add(id(self.model))
         ACTIVE.append(self)
         if self._regions:
@@ -141,6 +153,10 @@ class Recorder:
             held, STATE.deferred = STATE.deferred, None
             tokens = self.token_rows.close()
             extra = {"tokens": tokens} if tokens and tokens["grids"] else {}
+            if self.rank is not None:
+                from divtrace.record.ranks import closing_meta
+
+                extra["dist"] = closing_meta(self.rank, self.placements)
             try:
                 self.writer.close(status, error, warnings=self.warnings, unfinished_calls=self.calls.unfinished(),
                                   **extra, **compiled_meta)

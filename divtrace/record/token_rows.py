@@ -34,6 +34,7 @@ class TokenRows:
         self.rowed: set[int] = set()  # vids whose token rows were looked at (the current root call's)
         self._layout_grid = None  # the grid _layouts holds the inferred layouts of: (shape, root output) -> code
         self._layouts: dict = {}
+        self.shard_rows = None  # a rank of a sharded run: rows of a value's block as partials (record/placements.py)
 
     def open(self, trace_path) -> None:
         self.store = TokenStoreWriter(trace_path)
@@ -80,6 +81,11 @@ class TokenRows:
         if code in (token_layout.AMBIGUOUS, token_layout.CROSS):
             self.store.add_rows(vid, g.call_id, code, None)
             return
+        if self.shard_rows is not None:
+            hashes = self.shard_rows(t, code)
+            if hashes is not None:
+                self.store.add_rows(vid, g.call_id, code, hashes)
+                return
         if alias is not None:
             ref = self.store.current.get(alias[0])
             if ref is not None and token_layout.same_rows(ref[0], code, alias[1], t, g.shape):

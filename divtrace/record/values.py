@@ -333,6 +333,8 @@ class ValueIdentity:
             return t  # (the common case, in one test; the rest says what is wrong with the others)
         if type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
             local = getattr(t, "_local_tensor", None)  # DTensor keeps its shard here; to_local() may wrap it
+            if local is None and type(t).__name__ == "AsyncCollectiveTensor":  # a functional collective's result
+                local = getattr(t, "elem", None)  # (recorded once the collective is done: record/collectives.py)
             if not isinstance(local, torch.Tensor):
                 to_local = getattr(t, "to_local", None)
                 try:

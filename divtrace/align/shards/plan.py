@@ -1,0 +1,282 @@
+"""The unshard plan of a run: for every value of the run, what its global value is and how to get it.
+
+In the spirit of SGLang's comparator (its unsharder's planner and executor), but bitwise and in hash mode too:
+
+1. **Data groups.** Ranks that computed the same tokens (the same token grids, or without tokens the same root
+   inputs) form a group: tensor-parallel partners. Ranks with other data (data parallel, FSDP) are groups of their
+   own; a token-aligned comparison pairs their rows by token identity. Each group is seen through its lowest
+   rank (its representative).
+2. **Alignment.** Ranks of a group run the same program: record i of one is record i of the other (the same op,
+   or the same module's enter or exit). Where two ranks part, or one stopped, what follows cannot be put
+   together: those values get RankLocal keys (docs/sharded.md says what that means for the verdict).
+3. **Each value** of a representative, by its layout (divtrace.trace.layouts):
+   - a block (`S`): the blocks of every rank of its mesh, each block once, must tile the global shape; replicas of
+     a block must hold the same bytes. Its key is the global value's: the sum of the blocks' partial fingerprints.
+     A layout a rule made is trusted only where the op's plain inputs were replicated.
+   - a replica (`R`): every rank of its mesh must hold the same bytes, else a ReplicaMismatch (a finding: the
+     walker reports it where it first appears).
+   - a partial sum (`P`): RankLocal, compared only with a partial sum laid out the same way.
+   - no layout: equal on every rank of the group -> replicated (the rank's key); else the ranks' own pieces
+     (RankLocal). A group of one rank keeps its keys, except where a missing rank may have been its
+     tensor-parallel partner.
+
+In: a RunDir (divtrace.trace.run). Out: `Plan`: per group its ranks and each representative value's `ValuePlan`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+from divtrace.align.shards.keys import RankLocal, ReplicaMismatch
+from divtrace.trace.hashing.spec import MASK, to_hex
+
+_COMPUTE_RULES = {"mm", "addmm", "linear", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+                  "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention"}
+
+
+@dataclass
+class ValuePlan:
+    """How one value of a representative becomes a global value."""
+
+    key: tuple
+    kind: str  # "whole" (the representative's own bytes are the global value), "blocks", "local"
+    gshape: tuple = ()
+    blocks: list = field(default_factory=list)  # (rank, vid, offsets) of each distinct block ("blocks")
+    rows: list | None = None  # (rank, vid) whose token rows sum to the global rows ("blocks" with row partials)
+    note: str | None = None  # what a reader should know (a replica that differs, a missing block)
+    layout: tuple | None = None  # (placements, mesh ranks, src, why) of the representative's layout
+
+
+@dataclass
+class Group:
+    ranks: list[int]
+    limit: int  # records of the representative that every rank of the group holds alike
+    values: dict[int, ValuePlan] = field(default_factory=dict)
+    unsure: bool = False  # a one-rank group that may have had a tensor-parallel partner among the missing ranks
+
+    @property
+    def rep(self) -> int:
+        return self.ranks[0]
+
+
+def _signature(t) -> tuple:
+    """What tells ranks of one group from ranks of another: the token grids, else the root calls' inputs."""
+    from divtrace.trace.token_store import TokenIndex
+
+    grids = TokenIndex(t.path).grids
+    if grids:
+        return ("tokens",) + tuple((tuple(g.shape), tuple(g.keys)) for _, g in sorted(grids.items()))
+    roots = sorted((c for c in t.calls.values() if c.parent is None), key=lambda c: c.enter_index)
+    return ("inputs",) + tuple(tuple(t.vkey[v] for _, v in c.inputs) for c in roots[:1])
+
+
+def combine_hex(partials) -> str:
+    """The fingerprint whose blocks gave the hex `partials` (hashing.tensor.combine_hex, without torch)."""
+    h0 = h1 = 0
+    for h in partials:
+        h0 += int(h[:16], 16)
+        h1 += int(h[16:], 16)
+    return to_hex(h0 & MASK, h1 & MASK)
+
+
+def _record_sig(t, i: int):
+    op = t.rop[i]
+    if op is not None:
+        return op
+    c = t.calls[t.rcall[i]]
+    return ("e" if c.enter_index == i else "x", c.module)
+
+
+def aligned_length(t0, t1) -> int:
+    """How many leading records two ranks' traces hold alike (the same op, or the same module's enter/exit)."""
+    n = min(len(t0.rcall), len(t1.rcall))
+    for i in range(n):
+        if t0.rop[i] != t1.rop[i] or (t0.rop[i] is None and _record_sig(t0, i) != _record_sig(t1, i)):
+            return i
+    return n
+
+
+def correspondence(t0, t1, limit: int) -> dict[int, int]:
+    """vid of t0 -> the vid of t1 in the same place, over the first `limit` records."""
+    out: dict[int, int] = {}
+    for i in range(limit):
+        ins0 = t0.rin[i]
+        if ins0 is not None:
+            pairs = list(zip(ins0, t1.rin[i])) + list(zip(t0.rout[i], t1.rout[i]))
+        else:
+            c0, c1 = t0.calls[t0.rcall[i]], t1.calls[t1.rcall[i]]
+            items0, items1 = (c0.inputs, c1.inputs) if c0.enter_index == i else (c0.outputs, c1.outputs)
+            d1 = dict(items1)
+            pairs = [(v, d1[k]) for k, v in items0 if k in d1]
+        for a, b in pairs:
+            out.setdefault(a, b)
+    return out
+
+
+def _tp_involved(layouts) -> bool:
+    """Whether a rank's layouts show tensor parallelism over its activations (partial sums, a style's blocks, a
+    matmul's or attention's blocks), as opposed to only gathering whole parameters (FSDP)."""
+    for lay in layouts.values.values():
+        if lay.pending or (lay.sharded and (lay.src == "style" or (lay.src == "rule" and lay.why in _COMPUTE_RULES))):
+            return True
+    return False
+
+
+class Planner:
+    """Builds the Plan of a RunDir."""
+
+    def __init__(self, run):
+        self.run = run
+        self.traces = run.traces
+        self._corr: dict[tuple[int, int], dict[int, int]] = {}
+        self._aligned: dict[tuple[int, int], int] = {}
+        self.findings: list[str] = []
+
+    def aligned(self, r0: int, q: int) -> int:
+        key = (r0, q)
+        if key not in self._aligned:
+            self._aligned[key] = (len(self.traces[r0].rcall) if r0 == q
+                                  else aligned_length(self.traces[r0], self.traces[q]))
+        return self._aligned[key]
+
+    def counterpart(self, r0: int, q: int, vid: int) -> int | None:
+        if q == r0:
+            return vid
+        key = (r0, q)
+        c = self._corr.get(key)
+        if c is None:
+            c = self._corr[key] = correspondence(self.traces[r0], self.traces[q], self.aligned(r0, q))
+        return c.get(vid)
+
+    def groups(self) -> list[Group]:
+        sigs: dict[tuple, list[int]] = {}
+        for r in self.run.ranks:
+            sigs.setdefault(_signature(self.traces[r]), []).append(r)
+        out = []
+        for ranks in sorted(sigs.values()):
+            limit = min(self.aligned(ranks[0], q) for q in ranks)
+            unsure = len(ranks) == 1 and bool(self.run.missing) and _tp_involved(self.run.layouts[ranks[0]])
+            out.append(Group(ranks, limit, unsure=unsure))
+        return out
+
+    # -- values ---------------------------------------------------------------------------------------------
+    def plan(self, g: Group) -> None:
+        r0 = g.rep
+        t0 = self.traces[r0]
+        lays = self.run.layouts[r0]
+        for vid in sorted(t0.vkey):
+            i = t0.vprod.get(vid, t0.vsrc.get(vid, 0))
+            key = t0.vkey[vid]
+            if i >= g.limit and len(g.ranks) > 1:
+                g.values[vid] = ValuePlan(RankLocal((key[0], key[1], ("unaligned", r0, vid))), "local",
+                                          note="past where the group's ranks part or stop")
+                continue
+            lay = lays.values.get(vid)
+            vp = self._by_layout(g, vid, lay, i) if lay is not None else None
+            if vp is None:
+                vp = self._plain(g, vid)
+            g.values[vid] = vp
+
+    def _mesh_ranks(self, r0: int, mesh_id: int):
+        m = self.run.layouts[r0].meshes.get(mesh_id)
+        return (tuple(m.shape), tuple(m.ranks)) if m is not None else None
+
+    def _peer(self, r0: int, q: int, vid: int, i: int):
+        """(q's vid, q's layout of it, q's key) of r0's value `vid` defined at record i, or None."""
+        if q not in self.traces or i >= self.aligned(r0, q):
+            return None
+        vq = self.counterpart(r0, q, vid)
+        if vq is None:
+            return None
+        return vq, self.run.layouts[q].values.get(vq), self.traces[q].vkey[vq]
+
+    def _same_layout(self, r0, lay, q, lq) -> bool:
+        return (lq is not None and lq.placements == lay.placements and lq.global_shape == lay.global_shape
+                and self._mesh_ranks(q, lq.mesh) == self._mesh_ranks(r0, lay.mesh))
+
+    def _by_layout(self, g: Group, vid: int, lay, i: int) -> ValuePlan | None:
+        r0 = g.rep
+        t0 = self.traces[r0]
+        key0 = t0.vkey[vid]
+        mesh = self._mesh_ranks(r0, lay.mesh)
+        if mesh is None:
+            return None
+        desc = (tuple(lay.placements), mesh[1], lay.src, lay.why)
+        if lay.src == "rule" and not self._rule_inputs_ok(g, t0, i):
+            return None
+        peers = {}
+        for q in mesh[1]:
+            p = self._peer(r0, q, vid, i)
+            if p is None or not self._same_layout(r0, lay, q, p[1]):
+                missing = q not in self.traces
+                why = (f"rank {q} " + ("has no trace" if missing else "holds no matching block")
+                       + f" of this value ({'/'.join(lay.placements)} over ranks {list(mesh[1])})")
+                return ValuePlan(RankLocal((key0[0], key0[1], ("missing", q, vid))), "local", note=why, layout=desc)
+            peers[q] = p
+        if lay.pending:
+            return ValuePlan(RankLocal((key0[0], key0[1], ("partial",) + tuple(p[2] for p in peers.values()))),
+                             "local", note="a partial sum before its reduction", layout=desc)
+        boxes: dict[tuple, list] = {}
+        for q, (vq, lq, kq) in peers.items():
+            boxes.setdefault(tuple(lq.offsets), []).append((q, vq, lq, kq))
+        for off, reps in boxes.items():
+            first = reps[0]
+            bad = [q for q, _, _, k in reps[1:] if k != first[3]]
+            if bad:
+                if lay.src == "rule" and not lay.sharded:
+                    return None  # a replica a rule assumed: the ranks' own values after all
+                note = (f"replicas differ: ranks {bad} hold other bytes than rank {first[0]} for "
+                        + ("the block at offsets " + str(list(off)) if lay.sharded else "this replicated value"))
+                self.findings.append(note)
+                return ValuePlan(ReplicaMismatch((key0[0], tuple(lay.global_shape), note)), "local", note=note,
+                                 layout=desc)
+        if not lay.sharded:
+            return ValuePlan(key0, "whole", tuple(key0[1]), layout=desc)
+        gshape = tuple(lay.global_shape)
+        total = sum(prod(reps[0][3][1]) for reps in boxes.values())
+        if total != prod(gshape) or any(reps[0][2].partial is None for reps in boxes.values()):
+            return ValuePlan(RankLocal((key0[0], key0[1], ("untiled", vid))), "local", layout=desc,
+                             note=f"the blocks do not tile the global shape {list(gshape)}")
+        partial = combine_hex([reps[0][2].partial for reps in boxes.values()])
+        blocks = [(reps[0][0], reps[0][1], tuple(off)) for off, reps in sorted(boxes.items())]
+        rows = ([(q, vq) for q, vq, _ in blocks] if all(reps[0][2].row_partials for reps in boxes.values())
+                else None)
+        return ValuePlan((key0[0], gshape, partial), "blocks", gshape, blocks, rows, layout=desc)
+
+    def _rule_inputs_ok(self, g: Group, t0, i: int) -> bool:
+        """A rule assumed the op's plain inputs replicated: were they (keys already planned)?"""
+        ins = t0.rin[i] if i < len(t0.rin) else None
+        if ins is None:
+            return True
+        for u in ins:
+            vp = g.values.get(u)
+            if vp is not None and vp.kind == "local" and type(vp.key) is RankLocal and vp.key.kind == "local":
+                return False
+        return True
+
+    def _plain(self, g: Group, vid: int) -> ValuePlan:
+        r0 = g.rep
+        key0 = self.traces[r0].vkey[vid]
+        if len(g.ranks) == 1:
+            if g.unsure:
+                return ValuePlan(RankLocal((key0[0], key0[1], ("unverified", r0, vid))), "local",
+                                 note="a missing rank may hold the rest of it")
+            return ValuePlan(key0, "whole", tuple(key0[1]))
+        keys = []
+        for q in g.ranks:
+            vq = self.counterpart(r0, q, vid)
+            keys.append(self.traces[q].vkey[vq] if vq is not None else None)
+        if all(k == key0 for k in keys):
+            return ValuePlan(key0, "whole", tuple(key0[1]))
+        return ValuePlan(RankLocal((key0[0], key0[1], ("local",) + tuple(keys))), "local",
+                         note="each rank holds its own piece, and no layout says how they make the whole")
+
+
+def build_plan(run) -> tuple[list[Group], list[str], Planner]:
+    """The groups of a RunDir with every representative value planned, and the replica findings."""
+    p = Planner(run)
+    groups = p.groups()
+    for g in groups:
+        p.plan(g)
+    return groups, p.findings, p

@@ -1,0 +1,342 @@
+"""Where each recorded value sits in its global value, on one rank of a sharded run (docs/sharded.md).
+
+A value's layout (record/shard_rules.Lay) comes, in this order, from:
+- a DTensor: its placements and mesh (op arguments and results, module inputs and outputs);
+- a DTensor parameter: the local tensor that HF's TP inference path (and any code calling `to_local()`) runs on,
+  found by its storage;
+- a tensor-parallel style at a module boundary (`ColwiseParallel`: input replicated, output a block of its last
+  dim; `RowwiseParallel`: input a block of its last dim, output replicated), HF's or torch's `parallelize_module`;
+- a collective's result (record/collectives.py);
+- a rule that carries a plain op's inputs' layouts to its outputs (record/shard_rules.py).
+
+A value that is a block of a global value (`S` placement) also gets its partial fingerprint at its global offsets,
+and its token rows are fingerprinted as partials of the global rows, so hash mode unshards with no bytes moved.
+Layouts go to the rank's layouts.jsonl (divtrace.trace.layouts).
+
+In: tensors at module boundaries and op arguments and results, with the value ids the recorder gives them. Out:
+layout lines; token rows of blocks as partials (`shard_rows`).
+"""
+from __future__ import annotations
+
+import torch
+
+from divtrace.record.shard_rules import Lay, propagate
+from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes
+from divtrace.trace.hashing.tensor import tensor_partial, to_hex
+from divtrace.trace.layouts import Layout, LayoutWriter, Mesh
+
+
+def _placement_code(p, ndim: int) -> str | None:
+    kind = type(p).__name__
+    if p.is_shard() and kind == "Shard":
+        return f"S{p.dim % ndim if ndim else 0}"
+    if p.is_replicate():
+        return "R"
+    if p.is_partial():
+        op = str(getattr(p, "reduce_op", "sum"))
+        return "P" if op == "sum" else f"P:{op}"
+    return None  # _StridedShard and other placements: not unsharded (no layout)
+
+
+class Placements:
+    """The layouts of one rank's recording (one per Recorder inside a process group)."""
+
+    def __init__(self, model, trace_path, warnings_out: list):
+        self.model = model
+        self.warnings = warnings_out
+        self.out = LayoutWriter(trace_path)
+        self.writer = None  # the TraceWriter (its flushes pace ours)
+        self.by_vid: dict[int, Lay] = {}
+        self.pending: dict[int, Lay] = {}  # id(tensor about to get a vid) -> its layout
+        self.row_partials: set[int] = set()  # ids of tensors whose rows were fingerprinted as partials
+        self._meshes: dict = {}  # key -> Mesh
+        self._mesh_of: dict[int, int] = {}  # id(DeviceMesh) -> mesh id
+        self._params: dict[tuple, Lay] = {}  # storage key of a DTensor parameter's local tensor -> its layout
+        self._styles: dict[int, tuple] = {}  # id(module) -> (kind, mesh id, in layout fn, out layout fn)
+        self._flushed_at = 0
+        self._scan(model)
+
+    # -- meshes -------------------------------------------------------------------------------------------------
+    def _add_mesh(self, shape, dims, ranks, group=None) -> int:
+        key = (tuple(shape), tuple(dims), tuple(ranks), group)
+        m = self._meshes.get(key)
+        if m is None:
+            m = self._meshes[key] = Mesh(len(self._meshes), list(shape), list(dims), list(ranks), group)
+            self.out.add(m.to_json())
+        return m.id
+
+    def mesh_id(self, mesh) -> int:
+        mid = self._mesh_of.get(id(mesh))
+        if mid is None:
+            t = mesh.mesh
+            dims = list(mesh.mesh_dim_names) if mesh.mesh_dim_names else [None] * t.ndim
+            mid = self._mesh_of[id(mesh)] = self._add_mesh(list(t.shape), dims, [int(r) for r in t.reshape(-1).tolist()])
+        return mid
+
+    def group_mesh(self, name: str, ranks: list[int]) -> int:
+        return self._add_mesh([len(ranks)], [None], ranks, group=name)
+
+    def mesh(self, mid: int) -> Mesh:
+        return next(m for m in self._meshes.values() if m.id == mid)
+
+    @property
+    def meshes(self) -> list[dict]:
+        return [m.to_json() for m in self._meshes.values()]
+
+    # -- layouts of DTensors, parameters and styles -------------------------------------------------------------
+    def dtensor_lay(self, t, src: str = "dtensor") -> Lay | None:
+        spec = getattr(t, "_spec", None)
+        mesh = getattr(t, "device_mesh", None)
+        if spec is None or mesh is None:
+            return None
+        shape = tuple(t.shape)
+        codes = [_placement_code(p, len(shape)) for p in t.placements]
+        if None in codes:
+            self._warn(f"a DTensor placement {t.placements} is not unsharded by divtrace (recorded as the rank's own)")
+            return None
+        try:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local, offsets = compute_local_shape_and_global_offset(shape, mesh, t.placements)
+        except Exception:
+            return None
+        if tuple(local) != tuple(t._local_tensor.shape):
+            return None
+        return Lay(self.mesh_id(mesh), tuple(codes), shape, tuple(offsets), src)
+
+    def _scan(self, model) -> None:
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if hasattr(p, "_local_tensor") and hasattr(p, "placements"):
+                lay = self.dtensor_lay(p, "param")
+                if lay is not None:
+                    self._params[_storage_key(p._local_tensor)] = lay._replace(why=name)
+        for path, m in model.named_modules():
+            style = _style_of(m)
+            if style is not None:
+                kind, mesh, in_lay, out_lay = style
+                try:
+                    self._styles[id(m)] = (kind, self.mesh_id(mesh), in_lay, out_lay, mesh)
+                except Exception:
+                    continue
+
+    def _style_lay(self, module, side: str, t) -> Lay | None:
+        st = self._styles.get(id(module))
+        if st is None or not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return None
+        kind, mid, in_lay, out_lay, mesh = st
+        want = in_lay if side == "in" else out_lay
+        if want is None:
+            return None
+        if want == "R":
+            return Lay(mid, ("R",), tuple(t.shape), (0,) * t.dim(), "style", kind)
+        last = want  # the global size of the last dim
+        shape = tuple(t.shape[:-1]) + (last,)
+        try:
+            from torch.distributed.tensor import Shard
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local, offsets = compute_local_shape_and_global_offset(shape, mesh, [Shard(t.dim() - 1)])
+        except Exception:
+            return None
+        if tuple(local) != tuple(t.shape):
+            return None
+        return Lay(mid, (f"S{t.dim() - 1}",), shape, tuple(offsets), "style", kind)
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    def before_value(self, t, plain, module=None, side: str | None = None, key: str = "") -> None:
+        """A module's input or output is about to get its value id: note its layout, if it has one (a style
+        speaks of the module's first input and its output only)."""
+        lay = self.dtensor_lay(t) if t is not plain else None
+        if lay is None and module is not None and key in ("args.0", "out"):
+            lay = self._style_lay(module, side, plain)
+        if lay is None and self._params:
+            lay = self._params.get(_storage_key(plain))
+        if lay is not None:
+            self.pending[id(plain)] = lay
+
+    def after_value(self, plain, vid: int) -> None:
+        lay = self.pending.pop(id(plain), None)
+        if lay is not None and vid not in self.by_vid:
+            self._bind(plain, vid, lay)
+        self.row_partials.discard(id(plain))
+
+    def op_inputs(self, tensors_in, plain_in, vids) -> None:
+        """Op arguments: DTensors and DTensor parameters' local tensors give their values a layout."""
+        for t, p, vid in zip(tensors_in, plain_in, vids):
+            if vid in self.by_vid:
+                continue
+            lay = self.dtensor_lay(t) if t is not p else None
+            if lay is None and self._params:
+                lay = self._params.get(_storage_key(p))
+            if lay is not None:
+                self._bind(p, vid, lay)
+
+    def op_outputs(self, func, name: str, args, vids_in, tensors_in, plain_in, outs, plain_out,
+                   collective_lays=None) -> None:
+        """An op's results, before they get their value ids: their layouts (a DTensor result's placements, a
+        collective's, else the rules'), pending until `bind_outputs`."""
+        lays = [self.dtensor_lay(t) if t is not p else None for t, p in zip(outs, plain_out)]
+        if collective_lays is not None:
+            lays = [a or b for a, b in zip(lays, collective_lays)]
+        elif not all(lays):
+            items = _arg_items(args, tensors_in, plain_in, vids_in, self.by_vid)
+            if items is not None:
+                pointwise = torch.Tag.pointwise in getattr(func, "tags", ())
+                ruled = propagate(name, pointwise, args, items, [tuple(p.shape) for p in plain_out])
+                lays = [a or b for a, b in zip(lays, ruled)]
+        for p, lay in zip(plain_out, lays):
+            if lay is not None:
+                self.pending[id(p)] = lay
+
+    def bind_outputs(self, plain_out, out_vids) -> None:
+        for p, vid in zip(plain_out, out_vids):
+            self.after_value(p, vid)
+
+    def shard_rows(self, t, code: str) -> bytes | None:
+        """rows.bin's bytes for the token rows of `t` (layout `code`) when `t` is a block of a global value cut along
+        its row dims only: each row's partial of the global row. None otherwise (its rows are whole)."""
+        lay = self.pending.get(id(t))
+        if lay is None or not any(p[0] == "S" for p in lay.placements):
+            return None
+        nd = t.dim()
+        token_dims = {"bt": (0, 1), "bht": (0, 2), "n": (0,)}.get(code)
+        if token_dims is None or len(lay.gshape) != nd:
+            return None
+        if any(lay.gshape[d] != t.shape[d] or lay.offsets[d] for d in token_dims):
+            return None
+        row_dims = [d for d in range(nd) if d not in token_dims]
+        if code == "bht":
+            x = t.transpose(1, 2)
+            rows = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+        elif code == "bt":
+            rows = t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+        else:
+            rows = t
+        got = row_fingerprints(rows, [lay.gshape[d] for d in row_dims], [lay.offsets[d] for d in row_dims])
+        self.row_partials.add(id(t))
+        return rows_bytes(got)
+
+    # -- lines ----------------------------------------------------------------------------------------------
+    def _bind(self, t, vid: int, lay: Lay) -> None:
+        self.by_vid[vid] = lay
+        partial = None
+        if any(p[0] == "S" for p in lay.placements):
+            try:
+                partial = to_hex(tensor_partial(t, lay.gshape, lay.offsets))
+            except Exception as e:  # a shape the layout does not fit: no layout rather than a wrong one
+                self._warn(f"a shard layout did not fit its tensor ({type(e).__name__}: {e}); recorded as the rank's own")
+                del self.by_vid[vid]
+                return
+        self.out.add(Layout(vid, lay.mesh, list(lay.placements), list(lay.gshape), list(lay.offsets), lay.src,
+                            partial, id(t) in self.row_partials, lay.why).to_json())
+        self._pace()
+
+    def add_line(self, line: dict) -> None:
+        self.out.add(line)
+        self._pace()
+
+    def _pace(self) -> None:
+        """Write our lines whenever the trace's records were flushed since (a crash then loses no more of ours)."""
+        w = self.writer
+        if w is not None and w.n_written != self._flushed_at:
+            self._flushed_at = w.n_written
+            self.flush()
+
+    def flush(self) -> None:
+        try:
+            self.out.flush()
+        except OSError as e:
+            self._warn(f"shard layouts could not be written ({e.strerror or e}): values after this point are "
+                       "compared as the ranks' own")
+
+    def close(self) -> None:
+        try:
+            self.out.close()
+        except OSError as e:
+            self._warn(f"shard layouts could not be written: {e.strerror or e}")
+
+    def _warn(self, msg: str) -> None:
+        if msg not in self.warnings and len(self.warnings) < 100:
+            self.warnings.append(msg)
+
+
+def _storage_key(t) -> tuple | None:
+    try:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    except Exception:
+        return None
+
+
+def _arg_items(args, tensors_in, plain_in, vids_in, by_vid) -> dict | None:
+    """Position of each tensor argument (int, or (position, k) in a list) -> (local shape, layout or None)."""
+    lay_of = {id(t): by_vid.get(v) for t, v in zip(tensors_in, vids_in)}
+    shape_of = {id(t): tuple(p.shape) for t, p in zip(tensors_in, plain_in)}
+    items = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            if id(a) in shape_of:
+                items[i] = (shape_of[id(a)], lay_of[id(a)])
+        elif isinstance(a, (list, tuple)):
+            for k, x in enumerate(a):
+                if isinstance(x, torch.Tensor) and id(x) in shape_of:
+                    items[(i, k)] = (shape_of[id(x)], lay_of[id(x)])
+    if not any(v[1] is not None for v in items.values()):
+        return None
+    return items
+
+
+def _style_of(module):
+    """(style name, mesh, input layout, output layout) of a tensor-parallel style on `module` (HF's
+    TensorParallelLayer in its forward, or torch's parallelize_module hooks), or None. A layout is "R"
+    (replicated) or the global size of the last dim (a block of it); None where the style says nothing."""
+    style, mesh, parts = None, None, {}
+    fwd = module.__dict__.get("forward")
+    for cell in getattr(fwd, "__closure__", None) or ():
+        try:
+            x = cell.cell_contents
+        except ValueError:
+            continue
+        name = type(x).__name__
+        if name in ("ColwiseParallel", "RowwiseParallel") and type(x).__module__.startswith("transformers"):
+            style = name
+            parts = {"in": (getattr(x, "input_layouts", None),), "out": (getattr(x, "output_layouts", None),
+                                                                         getattr(x, "use_local_output", True))}
+        elif name == "DeviceMesh":
+            mesh = x
+    if style is None:  # torch's parallelize_module: hooks over partials of the style's _prepare_*_fn
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for h in hooks.values():
+                for cell in getattr(h, "__closure__", None) or ():
+                    try:
+                        x = cell.cell_contents
+                    except ValueError:
+                        continue
+                    fn = getattr(x, "func", None)
+                    owner, _, fname = getattr(fn, "__qualname__", "").partition(".")
+                    if owner in ("ColwiseParallel", "RowwiseParallel") and fname.startswith("_prepare_"):
+                        style = owner
+                        parts["in" if "input" in fname else "out"] = tuple(getattr(x, "args", ()))
+                    elif type(x).__name__ == "DeviceMesh":
+                        mesh = x
+    if style is None or mesh is None or mesh.ndim != 1:
+        return None
+    inp_layout = _first(parts.get("in", (None,))[0])
+    out_args = parts.get("out", (None, True))
+    out_layout, use_local = _first(out_args[0]), (out_args[1] if len(out_args) > 1 else True)
+    if style == "ColwiseParallel":
+        out = getattr(module, "out_features", None) if use_local and _is_last_shard(out_layout) else None
+        return style, mesh, ("R" if _is_replicate(inp_layout) else None), out
+    inp = getattr(module, "in_features", None) if _is_last_shard(inp_layout) else None
+    return style, mesh, inp, ("R" if use_local and _is_replicate(out_layout) else None)
+
+
+def _first(p):
+    return p[0] if isinstance(p, (list, tuple)) and p else p
+
+
+def _is_last_shard(p) -> bool:
+    return p is None or (type(p).__name__ == "Shard" and p.dim == -1)
+
+
+def _is_replicate(p) -> bool:
+    return p is None or type(p).__name__ == "Replicate"

@@ -1,0 +1,82 @@
+"""Recording one rank of a torch.distributed run: where its trace goes, and what it says about the run.
+
+Inside an initialized process group, `divtrace.record(model, "runs/tp2")` records this process into
+`runs/tp2/rank-K` (K its global rank): a run directory is a set of rank traces (docs/sharded.md). Each rank's
+meta.json carries `dist`: its rank, the world size, the backend, and (at close) the process groups and device
+meshes its values and collectives refer to. No rank talks to another for this: nothing is exchanged while
+recording.
+
+In: the path given to `record` and torch.distributed's state. Out: the rank's trace path and its `dist` meta.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from divtrace.errors import DivtraceError
+from divtrace.trace.files import META
+
+RANK_DIR = "rank-{}"
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    world_size: int
+    backend: str
+
+    def meta(self) -> dict:
+        local = os.environ.get("LOCAL_RANK")
+        return {"rank": self.rank, "world_size": self.world_size, "backend": self.backend,
+                "local_rank": int(local) if local and local.isdigit() else None}
+
+
+def current_rank() -> RankInfo | None:
+    """This process's place in an initialized default process group, or None outside one."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        backend = str(dist.get_backend())
+    except Exception:
+        backend = "?"
+    return RankInfo(dist.get_rank(), dist.get_world_size(), backend)
+
+
+def rank_path(path, info: RankInfo) -> Path:
+    """Where rank `info` records when asked to record into the run directory `path`: `path/rank-K`. A `path` that
+    holds a single-process trace is refused (a run directory holds only rank traces)."""
+    p = Path(path)
+    if (p / META).is_file():
+        raise DivtraceError(f"{p}: holds a single-process trace; inside a process group each rank records into "
+                            f"{p}/rank-K, so choose a new directory for the run")
+    if p.exists() and not p.is_dir():
+        raise DivtraceError(f"{p}: exists and is not a directory")
+    return p / RANK_DIR.format(info.rank)
+
+
+def attach(recorder, info: RankInfo):
+    """Wire a rank's parts into `recorder` once its writer is open: the values' layouts (record/placements.py),
+    the collectives (record/collectives.py) and the rows of sharded values. Returns the Placements."""
+    from divtrace.record.collectives import Collectives
+    from divtrace.record.placements import Placements
+
+    pl = Placements(recorder.model, recorder.writer.path, recorder.warnings)
+    pl.writer = recorder.writer
+    recorder.calls.placements = recorder.op_records.placements = pl
+    recorder.op_records.collectives = Collectives(pl, info.rank)
+    recorder.token_rows.shard_rows = pl.shard_rows
+    return pl
+
+
+def closing_meta(info: RankInfo, placements) -> dict:
+    """meta.json's `dist` at close: the rank, and the meshes and groups its layouts refer to."""
+    d = info.meta()
+    if placements is not None:
+        placements.close()
+        d["meshes"] = placements.meshes
+    return d

@@ -1,0 +1,88 @@
+"""A small harness for tests that run a torch.distributed group of processes on the CPU (gloo).
+
+`run_ranks(fn, world, *args)` spawns `world` processes, each joining one gloo group on a free local port, calls
+`fn(rank, world, *args)` in each, and returns what each returned (picklable), in rank order. A rank that raises
+is reported with its traceback (every rank's, in one failure); a rank may also end itself on purpose
+(`expect_exit={rank: code}`). Each rank waits at a barrier before tearing the group down: gloo aborts a process
+whose peer leaves while it still talks. `fn` must be importable by name (a module-level function), since the
+ranks are spawned.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, fn, args, queue, timeout_s, barrier):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        out = fn(rank, world, *args)
+        queue.put((rank, "ok", out))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+        barrier = False
+    finally:
+        if dist.is_initialized():
+            if barrier:
+                try:
+                    dist.barrier()
+                except Exception:
+                    pass
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int = 2, *args, timeout_s: float = 60.0, join_s: float = 600.0, barrier: bool = True,
+              expect_exit: dict | None = None) -> list:
+    """Results of `fn(rank, world, *args)` per rank. Raises AssertionError with every failing rank's traceback."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    port = free_port()
+    try:
+        procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, queue, timeout_s, barrier))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(join_s)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    got: dict = {}
+    while not queue.empty():
+        rank, status, out = queue.get()
+        got[rank] = (status, out)
+    problems = []
+    expect_exit = expect_exit or {}
+    for r, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()
+            problems.append(f"rank {r}: still running after {join_s} s (killed)")
+        elif r in expect_exit:
+            if p.exitcode != expect_exit[r]:
+                problems.append(f"rank {r}: exit code {p.exitcode}, expected {expect_exit[r]}")
+        elif got.get(r, ("", ""))[0] != "ok":
+            problems.append(f"rank {r}: exit code {p.exitcode}\n{got.get(r, ('', 'no result'))[1]}")
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return [got.get(r, (None, None))[1] for r in range(world)]
