@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
+import queue as queue_mod
 import socket
+import time
 import traceback
 
 
@@ -30,7 +33,7 @@ def _rank_main(rank, world, port, fn, args, queue, timeout_s, barrier):
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         out = fn(rank, world, *args)
-        queue.put((rank, "ok", out))
+        queue.put((rank, "ok", pickle.dumps(out)))  # (bytes: tensors travel by copy, not by a shared fd)
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
         barrier = False
@@ -50,7 +53,7 @@ def run_ranks(fn, world: int = 2, *args, timeout_s: float = 60.0, join_s: float 
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -60,18 +63,24 @@ def run_ranks(fn, world: int = 2, *args, timeout_s: float = 60.0, join_s: float 
                  for r in range(world)]
         for p in procs:
             p.start()
+        got: dict = {}
+        deadline = time.monotonic() + join_s
+        while time.monotonic() < deadline and len(got) < world:  # read while they run: a full pipe blocks a rank
+            try:
+                rank, status, out = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break
+                continue
+            got[rank] = (status, pickle.loads(out) if status == "ok" else out)
         for p in procs:
-            p.join(join_s)
+            p.join(max(1.0, deadline - time.monotonic()))
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    got: dict = {}
-    while not queue.empty():
-        rank, status, out = queue.get()
-        got[rank] = (status, out)
     problems = []
     expect_exit = expect_exit or {}
     for r, p in enumerate(procs):

@@ -1,0 +1,159 @@
+"""What the sharded-run tests run in each rank (spawned: module-level functions) and the ground truth they are held
+to: every module's input and output captured with plain forward hooks, in a forward that divtrace does not record,
+put together into global values (column blocks concatenated, replicas checked equal), and the origin found from
+them the way a person would: the first module, innermost, whose input is bitwise equal on both sides while its
+output is not.
+"""
+from __future__ import annotations
+
+import os
+
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROWWISE = ("o_proj", "down_proj")
+IDS = [[1, 5, 9, 3, 7, 2, 11, 4], [8, 6, 2, 14, 3, 9, 1, 12]]
+
+
+def tiny_llama(path, layers: int = 2) -> str:
+    """A small random Llama saved where HF's from_pretrained (and its TP plan) can load it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def bits_equal(a, b) -> bool:
+    """Bitwise equality: dtype, shape and raw bytes (-0.0 != 0.0, NaNs by their bits)."""
+    import torch
+
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _first_tensor(x):
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
+        return x[0]
+    return getattr(x, "logits", None)
+
+
+def capture(model, ids):
+    """{module path: (input 0, output)} of one unrecorded forward, and the paths in call order (plain hooks)."""
+    import torch
+
+    caps, order, handles = {}, [], []
+    for path, m in model.named_modules():
+        def pre(mod, args, kwargs, path=path):
+            x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_ids"))
+            order.append(path)
+            caps[path] = [x.detach().clone() if isinstance(x, torch.Tensor) else None, None]
+
+        def post(mod, args, kwargs, out, path=path):
+            t = _first_tensor(out)
+            caps[path][1] = t.detach().clone() if t is not None else None
+        handles += [m.register_forward_pre_hook(pre, with_kwargs=True),
+                    m.register_forward_hook(post, with_kwargs=True)]
+    try:
+        with torch.no_grad():
+            model(torch.tensor(ids))
+    finally:
+        for h in handles:
+            h.remove()
+    return caps, order
+
+
+def unshard_tp(caps):
+    """The global values of a TP rank's captures: colwise outputs, rowwise inputs and the MLP's activation between
+    them are column blocks of the last dim (gathered from every rank and concatenated), everything else must be the
+    same on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    for path in sorted(caps):
+        x, y = caps[path]
+        leaf = path.rsplit(".", 1)[-1]
+        got = []
+        for i, t in enumerate((x, y)):
+            if t is None:
+                got.append(None)
+                continue
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, t.contiguous())
+            blocks = (leaf in COLWISE and i == 1) or (leaf in ROWWISE and i == 0) or leaf == "act_fn"
+            if blocks:
+                got.append(torch.cat(parts, dim=-1))
+            else:
+                assert all(bits_equal(parts[0], p) for p in parts), f"{path}: replicas differ in the ground truth"
+                got.append(parts[0])
+        out[path] = tuple(got)
+    return out
+
+
+def truth_origin(order, caps_a, caps_b):
+    """The ground-truth origin: the first module (in call order) whose input is equal on both sides and whose
+    output is not, and none of whose submodules is such a module; None when every output is equal."""
+    cands = [p for p in order if p in caps_b and bits_equal(caps_a[p][0], caps_b[p][0])
+             and not bits_equal(caps_a[p][1], caps_b[p][1])]
+    for p in cands:
+        if not any(q != p and (p == "" or q.startswith(p + ".")) for q in cands):
+            return p
+    return None
+
+
+def scale_q_proj(model, scale: float) -> None:
+    """The planted difference: layer 0's q_proj multiplies its output by `scale` (1.0: the same ops, no change)."""
+    mod = model.model.layers[0].self_attn.q_proj
+    orig = mod.forward
+
+    def forward(x, *a, **k):
+        return orig(x, *a, **k) * scale
+    mod.forward = forward
+
+
+def tp_worker(rank, world, model_dir, root, cases):
+    """Record each case (name, dtype name, mode, plant) at TP=`world` with HF's TP plan; rank 0 returns the ground
+    truth (unsharded captures) of each full-mode case."""
+    import torch
+
+    import divtrace
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    truth = {}
+    for name, dtype, mode, plant in cases:
+        m = LlamaForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=getattr(torch, dtype)).eval()
+        if plant:
+            scale_q_proj(m, 1.0 + 2.0 ** -20 if rank == world - 1 else 1.0)
+        with torch.no_grad(), divtrace.record(m, os.path.join(root, name), mode=mode):
+            m(torch.tensor(IDS))
+        caps, order = capture(m, IDS)
+        g = unshard_tp(caps)
+        if rank == 0:
+            truth[name] = ({k: tuple(None if t is None else t.clone() for t in v) for k, v in g.items()}, order)
+    return truth if rank == 0 else None
+
+
+def single(model_dir, out, dtype: str, mode: str, plant: bool = False):
+    """The one-process run of the same model: recorded into `out`; its captures returned."""
+    import torch
+
+    import divtrace
+    from transformers import LlamaForCausalLM
+
+    m = LlamaForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    if plant:
+        scale_q_proj(m, 1.0)
+    with torch.no_grad(), divtrace.record(m, out, mode=mode):
+        m(torch.tensor(IDS))
+    return capture(m, IDS)
