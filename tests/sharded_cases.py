@@ -157,3 +157,52 @@ def single(model_dir, out, dtype: str, mode: str, plant: bool = False):
     with torch.no_grad(), divtrace.record(m, out, mode=mode):
         m(torch.tensor(IDS))
     return capture(m, IDS)
+
+
+FSDP_IDS = [[[1, 5, 9, 3, 7, 2, 11, 4]], [[8, 6, 2, 14, 3, 9, 1, 12]]]  # one sequence per rank
+
+
+def fsdp_worker(rank, world, model_dir, root, modes, dtype="float32"):
+    """FSDP2 (`fully_shard` on each decoder layer and the model), each rank its own sequence: record one forward
+    per mode; return the captures of an unrecorded forward (module inputs and outputs are the rank's rows)."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    import divtrace
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    m = LlamaForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    for layer in m.model.layers:
+        fully_shard(layer)
+    fully_shard(m)
+    ids = FSDP_IDS[rank]
+    for mode in modes:
+        with torch.no_grad(), divtrace.record(m, os.path.join(root, mode), mode=mode):
+            m(torch.tensor(ids))
+    caps, order = capture(m, ids)
+    return {k: tuple(None if t is None else t.clone() for t in v) for k, v in caps.items()}, order
+
+
+def stopped_worker(rank, world, model_dir, root, name, kill_at, mode):
+    """TP=2 with the planted difference in layer 0's q_proj; the last rank kills itself (SIGKILL, nothing closed)
+    when module `kill_at` is entered. Records are flushed one by one, so what ran before the kill is on disk. The
+    other rank's next collective then fails: its trace closes with that error."""
+    import signal
+
+    import torch
+
+    import divtrace
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    m = LlamaForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32).eval()
+    scale_q_proj(m, 1.0 + 2.0 ** -20 if rank == world - 1 else 1.0)
+    if rank == world - 1:
+        m.get_submodule(kill_at).register_forward_pre_hook(lambda *a: os.kill(os.getpid(), signal.SIGKILL))
+    try:
+        with torch.no_grad(), divtrace.record(m, os.path.join(root, name), mode=mode, flush_records=1):
+            m(torch.tensor(IDS))
+    except Exception as e:
+        return type(e).__name__
+    return "finished"

@@ -92,5 +92,9 @@ class RunDir:
 
     def stopped(self) -> dict[int, str]:
         """rank -> its status, for the ranks whose trace is incomplete."""
-        return {r: t.status + (f", {t.meta['error']}" if t.meta.get("error") else "")
-                for r, t in self.traces.items() if not t.complete}
+        out = {}
+        for r, t in self.traces.items():
+            if not t.complete:
+                err = str(t.meta.get("error") or "").splitlines()[0] if t.meta.get("error") else ""
+                out[r] = t.status + (f", {err[:160]}" + ("..." if len(err) > 160 else "") if err else "")
+        return out

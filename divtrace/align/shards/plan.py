@@ -60,15 +60,13 @@ class Group:
         return self.ranks[0]
 
 
-def _signature(t) -> tuple:
-    """What tells ranks of one group from ranks of another: the token grids, else the root calls' inputs."""
-    from divtrace.trace.token_store import TokenIndex
-
-    grids = TokenIndex(t.path).grids
-    if grids:
-        return ("tokens",) + tuple((tuple(g.shape), tuple(g.keys)) for _, g in sorted(grids.items()))
+def _signature(t) -> tuple | None:
+    """What tells ranks of one group from ranks of another: the inputs of their first root call (None before it
+    was recorded: such a rank is placed in no group)."""
     roots = sorted((c for c in t.calls.values() if c.parent is None), key=lambda c: c.enter_index)
-    return ("inputs",) + tuple(tuple(t.vkey[v] for _, v in c.inputs) for c in roots[:1])
+    if not roots:
+        return None
+    return tuple(t.vkey[v] for _, v in roots[0].inputs)
 
 
 def combine_hex(partials) -> str:
@@ -151,12 +149,22 @@ class Planner:
 
     def groups(self) -> list[Group]:
         sigs: dict[tuple, list[int]] = {}
+        unplaced = []
         for r in self.run.ranks:
-            sigs.setdefault(_signature(self.traces[r]), []).append(r)
+            sig = _signature(self.traces[r])
+            if sig is None:
+                unplaced.append(r)
+            else:
+                sigs.setdefault(sig, []).append(r)
+        if not sigs:  # no rank got to its first root call: the lowest rank stands for the run (nothing to compare)
+            sigs[()] = [unplaced.pop(0)]
         out = []
         for ranks in sorted(sigs.values()):
             limit = min(self.aligned(ranks[0], q) for q in ranks)
-            unsure = len(ranks) == 1 and bool(self.run.missing) and _tp_involved(self.run.layouts[ranks[0]])
+            # A missing rank, or one that stopped before its first root call, could have been a one-rank group's
+            # tensor-parallel partner: its plain values are then not taken for whole ones.
+            unsure = (len(ranks) == 1 and bool(self.run.missing or unplaced)
+                      and _tp_involved(self.run.layouts[ranks[0]]))
             out.append(Group(ranks, limit, unsure=unsure))
         return out
 

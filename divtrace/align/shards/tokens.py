@@ -4,8 +4,9 @@ first_ids, index, bin), over the run view's root calls and values (divtrace.alig
 Each group's representative brings its grids (call ids moved to the view's, sequence numbers kept apart per
 group). A value's rows are the representative's where the value is whole; the sum of its blocks' row partials
 where it is a block of a value cut along its row dims (each rank fingerprinted its block's rows at their global
-offsets); and none (compared neither equal nor different) where the value is a rank's own piece, a partial sum,
-or a block without row partials.
+offsets); and none where the value is a rank's own piece, a partial sum, or a block without row partials: its
+whole key (divtrace.align.shards.keys.RankLocal) then leaves it out of comparisons, and the walker retraces past
+it.
 """
 from __future__ import annotations
 
@@ -43,9 +44,11 @@ class RunTokenIndex:
                     rows = ti.bin[off:off + n]
                 elif off >= 0 and vp.kind == "blocks" and vp.rows:
                     rows = _sum_rows(idx, vp.rows, code, n)
-                if rows is None or len(rows) != n:
-                    self.index[vid + s.vbase] = (cid + s.cbase, code, -1)
+                if off < 0:
+                    self.index[vid + s.vbase] = (cid + s.cbase, code, -1)  # ("x", "?": compared whole)
                     continue
+                if rows is None or len(rows) != n:
+                    continue  # no rows to compare: its whole key (a rank's own piece, a partial sum) decides
                 chunks.append(np.asarray(rows, dtype="<u8"))
                 self.index[vid + s.vbase] = (cid + s.cbase, code, size)
                 size += n

@@ -1,0 +1,83 @@
+"""FSDP2 (`fully_shard`), two gloo ranks on the CPU, each with its own sequence, against one process running both
+sequences in one batch: bisect pairs the tokens of each rank with the one process's by token identity. Held to the
+ground truth of plain hooks (each rank's rows against the one process's rows of the same sequence): identical, or
+the module the hooks name, in full and hash mode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import divtrace  # noqa: E402
+from dist_harness import run_ranks  # noqa: E402
+from sharded_cases import FSDP_IDS, bits_equal, capture, fsdp_worker, tiny_llama, truth_origin  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    model = tiny_llama(str(root / "model"))
+    ranks = run_ranks(fsdp_worker, 2, model, str(root / "fsdp2"), ["full", "hash"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        from transformers import LlamaForCausalLM
+
+        m = LlamaForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        ids = [s[0] for s in FSDP_IDS]
+        for mode in ("full", "hash"):
+            with torch.no_grad(), divtrace.record(m, str(root / "one" / mode), mode=mode):
+                m(torch.tensor(ids))
+        one = capture(m, ids)
+    finally:
+        torch.set_num_threads(threads)
+    return root, ranks, one
+
+
+def _rows(caps, r):
+    """The one process's captures narrowed to sequence r (dim 0 where it is the batch)."""
+    out = {}
+    for k, (x, y) in caps.items():
+        out[k] = tuple(t[r:r + 1] if t is not None and t.dim() >= 2 and t.shape[0] == len(FSDP_IDS) else t
+                       for t in (x, y))
+    return out
+
+
+def test_fsdp2_against_one_process_is_what_the_hooks_say(runs):
+    root, ranks, (one, _) = runs
+    origins = []
+    for r, (caps, order) in enumerate(ranks):
+        o = truth_origin(order, caps, _rows(one, r))
+        if o is not None:
+            origins.append(o)
+    same_logits = all(bits_equal(caps["lm_head"][1], _rows(one, r)["lm_head"][1])
+                      for r, (caps, _) in enumerate(ranks))
+    for mode in ("full", "hash"):
+        res = divtrace.bisect(str(root / "fsdp2" / mode), str(root / "one" / mode))
+        d = res.to_dict()
+        assert d["alignment"] == "tokens"
+        assert d["tokens"]["shared"] == sum(len(s[0]) for s in FSDP_IDS) and not d["tokens"]["only_a"]
+        if not origins:
+            assert same_logits and res.verdict == "identical", d
+        else:
+            assert res.verdict == "diverged" and res.first.module in origins, (d["first"], origins)
+
+
+def test_fsdp2_run_keeps_each_ranks_tokens_apart(runs):
+    """The run view holds both ranks' root calls, one after the other, with their own tokens."""
+    from divtrace.align.shards import open_side
+
+    root, _, _ = runs
+    view = open_side(str(root / "fsdp2" / "hash"))
+    assert [g.ranks for g in view.groups] == [[0], [1]]
+    roots = [c for c in view.calls.values() if c.module == ""]
+    assert [c.call for c in roots] == [0, 1]
+    grids = view.token_index().grids
+    assert sorted(g.ids[0] for g in grids.values()) == sorted(s[0][0] for s in FSDP_IDS)
+
+
+def test_data_parallel_run_refuses_call_alignment(runs):
+    root, _, _ = runs
+    with pytest.raises(divtrace.DivtraceError, match="data parallel"):
+        divtrace.bisect(str(root / "fsdp2" / "hash"), str(root / "one" / "hash"), align="calls")
