@@ -111,3 +111,38 @@ def test_a_run_against_itself_is_identical(runs):
     root, _, _ = runs
     r = divtrace.bisect(str(root / "tp2" / "fp32-full"), str(root / "tp2" / "fp32-hash"))
     assert r.verdict == "identical", r.to_dict()
+
+
+@pytest.mark.parametrize("name", ["fp32-full", "plant-full"])
+def test_repro_runs_each_sides_shards_on_simulated_ranks(runs, tmp_path, name):
+    """The repro of a sharded origin replays side a's region on both ranks in one process (no process group), its
+    collectives done by the script, and returns the global value: both sides reproduce their recorded outputs bit
+    for bit, the script fails while they differ, and verify passes a fix (side a computed as side b computes)."""
+    import json
+    import subprocess
+    import sys
+
+    from divtrace.repro.writer import write_repro
+    from divtrace.verify import verify_repro
+
+    root, _, _ = runs
+    r = divtrace.bisect(str(root / "tp2" / name), str(root / "tp1" / name))
+    if r.first is None:
+        pytest.skip("the runs are identical on this machine: nothing to reproduce")
+    out = tmp_path / "repro"
+    res = write_repro(str(root / "tp2" / name), str(root / "tp1" / name), out)
+    assert res.ok, res.fidelity
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["ranks"] == {"a": [0, 1], "b": []} and m["origin"]["module"] == r.first.module
+    src = (out / "repro.py").read_text()
+    assert "(rank 0)" in src and "(rank 1)" in src and "torch.distributed" not in src
+    p = subprocess.run([sys.executable, str(out / "repro.py")], capture_output=True, text=True)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert not verify_repro(out, trials=2).passed
+    fix = tmp_path / "fix.py"
+    params = ", ".join(i["name"] for i in m["inputs"])
+    fix.write_text(f"import importlib.util\n"
+                   f"spec = importlib.util.spec_from_file_location('r', {str(out / 'repro.py')!r})\n"
+                   f"r = importlib.util.module_from_spec(spec); spec.loader.exec_module(r)\n"
+                   f"def like_b({params}):\n    return r.side_b({params})\n")
+    assert verify_repro(out, patch=f"{fix}:like_b", side="a", trials=2).passed

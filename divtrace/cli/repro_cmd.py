@@ -42,11 +42,11 @@ def repro(
     from divtrace.align.paths import PathMap
     from divtrace.repro.writer import write_repro
 
-    from divtrace.trace.reader import Trace
+    from divtrace.align.shards import open_side
 
     o = Output(json_out)
     path_map = PathMap.from_file(map_file) if map_file else None
-    ta, tb = Trace(a), Trace(b)
+    ta, tb = open_side(a), open_side(b)  # a trace, or a run directory (docs/sharded.md)
     r = write_repro(ta, tb, out, at=at, path_map=path_map, imports=imports or [], overwrite=overwrite)
     m = r.manifest
     for t in (ta, tb):

@@ -342,7 +342,7 @@ from safetensors.torch import load_file
 
 def render(*, device: str, origin: dict, input_names: list[str], specs: dict, batch: int | None, settings: dict,
            side_codes: dict[str, SideCode], custom_imports: list[tuple[str, str, str | None]], counts: dict,
-           token_ties: list | None = None, keep_recorded: list | None = None) -> str:
+           token_ties: list | None = None, keep_recorded: list | None = None, block_ties: list | None = None) -> str:
     """The whole script. custom_imports: (op, module, directory it was found in or None)."""
     out = [HEADER]
     if custom_imports:
@@ -381,6 +381,10 @@ def render(*, device: str, origin: dict, input_names: list[str], specs: dict, ba
         out.append("# The two sides hold these in different forms (a cos/sin table against an engine's cache and")
         out.append("# positions): no row of one equals a row of the other, so random trials keep their recorded values.")
         out.append(f"KEEP_RECORDED = {pylit(keep_recorded)}")
+    if block_ties:
+        out.append("# A sharded run's side (simulated ranks): [input, global input of the other side, [start, stop) per")
+        out.append("# dim]: random trials give each rank its block of the other side's drawn global value.")
+        out.append(f"BLOCK_TIES = {pylit(block_ties)}")
     out.append("")
     for letter in ("a", "b"):
         out.append("")

@@ -148,6 +148,12 @@ def random_inputs(seed, shapes=None):
             out[nb][sel(ib)] = out[na][sel(ia)]
         except (IndexError, RuntimeError):  # a swept shape without that row: the sides are not tied there
             pass
+    for name, src, box in globals().get("BLOCK_TIES") or ():  # a rank's block of the other side's global input
+        try:
+            x = out[src][tuple(slice(lo, hi) for lo, hi in box)].clone()
+            out[name] = _with_layout(x, INPUT_SPECS[name]["shape"], INPUT_SPECS[name]["stride"])
+        except (IndexError, RuntimeError):  # a swept shape the block no longer fits: drawn on its own
+            pass
     return out
 
 

@@ -192,8 +192,13 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
 def write_repro(a, b, out, *, at: int | None = None, path_map: PathMap | None = None, imports=(),
                 overwrite: bool = False) -> ReproResult:
     """Write a standalone repro of the first divergence between traces `a` and `b` (or of record `at` of `a`)."""
-    ta = a if isinstance(a, Trace) else Trace(a)
-    tb = b if isinstance(b, Trace) else Trace(b)
+    from divtrace.align.shards import open_side  # a run directory: docs/sharded.md
+
+    ta, tb = open_side(a), open_side(b)
+    if getattr(ta, "run", None) is not None or getattr(tb, "run", None) is not None:
+        from divtrace.repro.shards import write_run_repro
+
+        return write_run_repro(ta, tb, out, at=at, path_map=path_map, imports=imports, overwrite=overwrite)
     from divtrace.repro.compiled import is_compiled_pair, write_compiled_repro  # docs/compiled.md
 
     if at is None and is_compiled_pair(ta, tb):
