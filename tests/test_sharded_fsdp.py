@@ -11,7 +11,8 @@ pytest.importorskip("transformers")
 
 import divtrace  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
-from sharded_cases import FSDP_IDS, bits_equal, capture, fsdp_worker, tiny_llama, truth_origin  # noqa: E402
+from sharded_cases import (FSDP_IDS, bits_equal, capture, fsdp_worker, scale_q_proj, tiny_llama,  # noqa: E402
+                           truth_origin)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,9 @@ def runs(tmp_path_factory):
             with torch.no_grad(), divtrace.record(m, str(root / "one" / mode), mode=mode):
                 m(torch.tensor(ids))
         one = capture(m, ids)
+        scale_q_proj(m, 1.0)
+        with torch.no_grad(), divtrace.record(m, str(root / "one" / "plant"), mode="full"):
+            m(torch.tensor(ids))
     finally:
         torch.set_num_threads(threads)
     return root, ranks, one
@@ -81,3 +85,22 @@ def test_data_parallel_run_refuses_call_alignment(runs):
     root, _, _ = runs
     with pytest.raises(divtrace.DivtraceError, match="data parallel"):
         divtrace.bisect(str(root / "fsdp2" / "hash"), str(root / "one" / "hash"), align="calls")
+
+
+def test_a_difference_in_one_ranks_sequence_is_found_and_reproduced_from_that_rank(runs, tmp_path):
+    """Planted in rank 1's forward only: bisect finds it for rank 1's tokens, and the repro is the ordinary one of
+    rank 1's trace against the one process (each side at its own batch, the token's row compared)."""
+    import json
+
+    from divtrace.repro.writer import write_repro
+
+    root, _, _ = runs
+    r = divtrace.bisect(str(root / "fsdp2" / "plant"), str(root / "one" / "plant"))
+    d = r.to_dict()
+    assert r.verdict == "diverged" and r.first.module == "model.layers.0.self_attn.q_proj", d["first"]
+    assert r.first.op == "aten.mul.Tensor"
+    assert d["first"]["token"]["seq"]["first_ids"][:3] == FSDP_IDS[1][0][:3]
+    res = write_repro(str(root / "fsdp2" / "plant"), str(root / "one" / "plant"), tmp_path / "repro")
+    assert res.ok, res.fidelity
+    m = json.loads((tmp_path / "repro" / "manifest.json").read_text())
+    assert m["origin"]["trace_a"].endswith("rank-1")

@@ -178,7 +178,8 @@ def _assemble(side: RankedSide, refs: dict) -> list[str]:
 def write_sharded_repro(ta, tb, d, out, *, overwrite: bool = False):
     """Write a repro of divergence `d` (from bisect) between `ta` and `tb`, either of them a run view."""
     from divtrace.repro.inputs import _range
-    from divtrace.repro.writer import ReproResult, _check, _prepare_out, _settings, interpreter
+    from divtrace.repro.interpreter import interpreter
+    from divtrace.repro.script import ReproResult, _check, _prepare_out, _settings
 
     if not d.region_a or not d.region_b:
         raise DivtraceError(f"{ta.path} vs {tb.path}: the divergence in {d.module or '<root>'} has no op region on "
@@ -286,13 +287,12 @@ def _global_output(side: RankedSide):
     return t.tensor(side.output + seg.vbase)
 
 
-def write_run_repro(ta, tb, out, *, at=None, path_map=None, imports=(), overwrite: bool = False):
-    """`divtrace repro` where a side is a run directory: a data-parallel run's divergence is reproduced from the
-    rank that holds the token (an ordinary repro of that rank's trace); a tensor-parallel run's on simulated
-    ranks (`write_sharded_repro`)."""
+def write_run_repro(ta, tb, out, *, at=None, path_map=None, overwrite: bool = False):
+    """`divtrace repro` where a side is a run directory: a tensor-parallel run's divergence is reproduced on simulated
+    ranks (`write_sharded_repro`, returns its ReproResult); a data-parallel run's from the rank that holds the token:
+    then the pair of traces to reproduce instead is returned (an ordinary repro of that rank's trace)."""
     from divtrace.compare.bisect import bisect
     from divtrace.compare.verdict import Inconclusive
-    from divtrace.repro.writer import write_repro
 
     if at is not None:
         raise DivtraceError("--at with a run directory is not supported yet: reproduce the first divergence, or pass "
@@ -315,7 +315,7 @@ def write_run_repro(ta, tb, out, *, at=None, path_map=None, imports=(), overwrit
                 raise DivtraceError(f"{t.path}: cannot tell which rank holds the diverging token; pass that rank's "
                                     "trace (RUN/rank-K) to divtrace repro")
             pick.append(t.run.traces[t.segment_of_index(index).rank])
-        return write_repro(pick[0], pick[1], out, path_map=path_map, imports=imports, overwrite=overwrite)
+        return tuple(pick)
     if getattr(r, "alignment", "calls") == "tokens":
         raise DivtraceError(f"{ta.path} vs {tb.path}: a token-aligned divergence of a tensor-parallel run cannot be "
                             "reproduced on simulated ranks yet (each side would run its own batch); record both sides "

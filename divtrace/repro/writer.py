@@ -11,7 +11,6 @@ import json
 import math
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,36 +25,10 @@ from divtrace.repro.inputs import Inputs, save_tensors, token_ties
 from divtrace.repro.narrow import engine_only_ops, narrow_to_parting_op
 from divtrace.repro.region import (RANDOM_OPS, Side, Target, build_side, check_values, common_suffix_start,
                                    find_target, flatten_rows, op_short, parting_record)
-from divtrace.record.settings import APPLICABLE, numerics_settings
+from divtrace.record.settings import numerics_settings
 from divtrace.trace.reader import Trace
-
-FILES = ("repro.py", "inputs.safetensors", "expected.safetensors", "manifest.json")
-SETTINGS_KNOWN = {"float32_matmul_precision", "num_threads", "cuda_matmul_allow_tf32", "cudnn_allow_tf32",
-                  "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction"}
-
-
-@dataclass
-class ReproResult:
-    out: Path
-    manifest: dict
-    fidelity: dict  # {"a": {"ok", "error"}, "b": ...}
-    explanation: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(r["ok"] for r in self.fidelity.values())
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else 1
-
-
-def _settings(t: Trace) -> dict:
-    rec = t.meta.get("settings") or {}
-    return {k: rec[k] for k in APPLICABLE if k in SETTINGS_KNOWN and isinstance(rec.get(k), (bool, int, str))}
-
+from divtrace.repro.script import (FILES, SETTINGS_KNOWN, ReproResult, _check, _load,  # noqa: F401
+                                   _prepare_out, _settings)
 
 def _batch(specs: dict) -> int | None:
     lead = Counter(s["shape"][0] for s in specs.values()
@@ -64,13 +37,6 @@ def _batch(specs: dict) -> int | None:
         lead = Counter(s["shape"][0] for s in specs.values() if s["role"] != "parameter" and s["shape"]
                        and s["shape"][0] > 0)
     return lead.most_common(1)[0][0] if lead else None
-
-
-def _load(path: Path, src: str) -> dict:
-    """Execute repro.py's text as a module (never as __main__): its functions, as the file defines them."""
-    ns = {"__name__": "_divtrace_repro_check", "__file__": str(path)}
-    exec(compile(src, str(path), "exec"), ns)
-    return ns
 
 
 def _batch_runs(ns: dict, specs: dict, batch: int, out_shapes: dict) -> str | None:
@@ -176,19 +142,6 @@ def _dense_stride(shape) -> list[int]:
     return out[::-1]
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise DivtraceError(f"{out}: exists and is not a directory")
-    if out.is_dir():
-        extra = [p.name for p in out.iterdir() if p.name not in FILES and p.name != "__pycache__"]
-        ours = [p.name for p in out.iterdir() if p.name in FILES]
-        if extra:
-            raise DivtraceError(f"{out}: directory is not empty ({', '.join(sorted(extra)[:5])}); choose a new --out")
-        if ours and not overwrite:
-            raise DivtraceError(f"{out}: already holds a repro; pass --overwrite to replace it")
-    out.mkdir(parents=True, exist_ok=True)
-
-
 def write_repro(a, b, out, *, at: int | None = None, path_map: PathMap | None = None, imports=(),
                 overwrite: bool = False) -> ReproResult:
     """Write a standalone repro of the first divergence between traces `a` and `b` (or of record `at` of `a`)."""
@@ -198,7 +151,10 @@ def write_repro(a, b, out, *, at: int | None = None, path_map: PathMap | None = 
     if getattr(ta, "run", None) is not None or getattr(tb, "run", None) is not None:
         from divtrace.repro.shards import write_run_repro
 
-        return write_run_repro(ta, tb, out, at=at, path_map=path_map, imports=imports, overwrite=overwrite)
+        got = write_run_repro(ta, tb, out, at=at, path_map=path_map, overwrite=overwrite)
+        if not isinstance(got, tuple):
+            return got
+        ta, tb = got  # a data-parallel run: the trace of the rank that holds the diverging token
     from divtrace.repro.compiled import is_compiled_pair, write_compiled_repro  # docs/compiled.md
 
     if at is None and is_compiled_pair(ta, tb):
@@ -430,13 +386,3 @@ def _finite(x):
     if isinstance(x, list):
         return [_finite(v) for v in x]
     return x
-
-
-def _check(path: Path, src: str) -> tuple[dict | None, dict]:
-    """Run the script's own fidelity check on this source text."""
-    try:
-        ns = _load(path, src)
-        return ns, ns["fidelity"]()
-    except Exception as e:
-        err = f"the script fails to load: {type(e).__name__}: {e}"
-        return None, {"a": {"ok": False, "error": err}, "b": {"ok": False, "error": err}}
