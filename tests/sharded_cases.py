@@ -209,3 +209,102 @@ def stopped_worker(rank, world, model_dir, root, name, kill_at, mode):
     except Exception as e:
         return type(e).__name__
     return "finished"
+
+
+def mlp(seed: int = 0):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.ReLU(), torch.nn.Linear(32, 16, bias=False))
+
+
+class CountCollectives:
+    """A dispatch mode (entered outside divtrace's, so it sees what runs below it) counting collectives and the
+    tensor bytes they are handed."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch
+
+                if getattr(func, "namespace", "") in ("c10d", "_c10d_functional") and "wait" not in func._opname:
+                    outer.calls.append(func._opname)
+                    stack = list(args)
+                    while stack:
+                        x = stack.pop()
+                        if isinstance(x, torch.Tensor):
+                            outer.bytes += x.numel() * x.element_size()
+                        elif isinstance(x, (list, tuple)):
+                            stack.extend(x)
+                return func(*args, **(kwargs or {}))
+        self.mode = _Mode()
+        self.calls, self.bytes = [], 0
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def parallel_mlp_worker(rank, world, root):
+    """torch's parallelize_module (ColwiseParallel, then RowwiseParallel: DTensors inside) on a 2-layer MLP: one
+    forward counted without divtrace and one recorded in hash mode, counted the same way; rank 0 returns the counts
+    and the hooks' global values."""
+    import torch
+    from torch.distributed.tensor import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import divtrace
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    m = mlp()
+    parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    with CountCollectives() as plain, torch.no_grad():
+        m(x)
+    with CountCollectives() as recorded, torch.no_grad():
+        for mode in ("hash", "full"):
+            with divtrace.record(m, os.path.join(root, mode), mode=mode):
+                m(x)
+    caps, order = capture_mlp(m, x)
+    return (plain.calls, plain.bytes, recorded.calls, recorded.bytes, caps, order) if rank == 0 else None
+
+
+def capture_mlp(m, x):
+    """The MLP's module inputs and outputs as global values (the first layer's output and the second's input are
+    column blocks: gathered), from plain hooks on an unrecorded forward."""
+    import torch
+    import torch.distributed as dist
+
+    caps, order, hs = {}, [], []
+    for path, mod in m.named_modules():
+        def pre(mod, args, path=path):
+            order.append(path)
+            caps[path] = [args[0], None]
+
+        def post(mod, args, out, path=path):
+            caps[path][1] = out
+        hs += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    with torch.no_grad():
+        m(x)
+    for h in hs:
+        h.remove()
+    out = {}
+    for path, vals in caps.items():
+        got = []
+        for t in vals:
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            t = t.wait() if hasattr(t, "wait") and not isinstance(t, torch.Tensor) else t
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, t.contiguous())
+            same = all(bits_equal(parts[0], p) for p in parts)
+            got.append(parts[0].clone() if same else torch.cat(parts, dim=-1))
+        out[path] = tuple(got)
+    return out, order

@@ -1,0 +1,71 @@
+"""torch's parallelize_module on a 2-layer MLP (DTensors flow through the layers), two gloo ranks: recording moves
+no tensor bytes between ranks (every collective in a recorded forward is the model's own, the same calls and bytes
+as without divtrace), and the run, in hash mode as in full mode, bisects against the one-process MLP to what the
+hooks say."""
+from __future__ import annotations
+
+import torch
+
+import divtrace
+from dist_harness import run_ranks
+from sharded_cases import bits_equal, capture_mlp, mlp, parallel_mlp_worker, truth_origin
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlp")
+    got = run_ranks(parallel_mlp_worker, 2, str(root / "tp2"))[0]
+    m = mlp()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for mode in ("hash", "full"):
+            with torch.no_grad(), divtrace.record(m, str(root / "tp1" / mode), mode=mode):
+                m(x)
+        hooks = {}
+
+        def hook(path):
+            def f(mod, args, out):
+                hooks[path] = (args[0].clone(), out.clone())
+            return f
+        hs = [mod.register_forward_hook(hook(p)) for p, mod in m.named_modules()]
+        with torch.no_grad():
+            m(x)
+        for h in hs:
+            h.remove()
+    finally:
+        torch.set_num_threads(threads)
+    return root, got, hooks
+
+
+def test_recording_moves_no_tensor_bytes_between_ranks(run):
+    _, (plain_calls, plain_bytes, rec_calls, rec_bytes, _, _), _ = run
+    assert plain_calls and plain_bytes  # the model's own all_reduce
+    assert rec_calls == plain_calls * 2 and rec_bytes == plain_bytes * 2  # two recorded forwards, nothing more
+
+
+def test_parallelize_module_run_bisects_to_the_hooks_origin(run):
+    root, (_, _, _, _, caps, order), hooks = run
+    expected = truth_origin(order, caps, hooks)
+    for mode in ("hash", "full"):
+        r = divtrace.bisect(str(root / "tp2" / mode), str(root / "tp1" / mode))
+        if expected is None:
+            assert r.verdict == "identical" and bits_equal(caps[""][1], hooks[""][1]), r.to_dict()
+        else:
+            assert r.verdict == "diverged" and r.first.module == expected, (r.to_dict()["first"], expected)
+
+
+def test_dtensor_values_record_their_placements(run):
+    from divtrace.trace.layouts import read_layouts
+
+    root, _, _ = run
+    lays = read_layouts(root / "tp2" / "hash" / "rank-1")
+    kinds = {(tuple(v.placements), v.src) for v in lays.values.values()}
+    assert (("S0",), "dtensor") in kinds or (("S0",), "param") in kinds  # the colwise weight, rows split
+    assert any(p == ("P",) for p, _ in kinds)  # the rowwise matmul's partial sums
+    assert any(c.kind == "all_reduce" and c.seq == 0 for c in lays.collectives.values())
+    mesh = next(m for m in lays.meshes.values() if m.dims == ["tp"])
+    assert mesh.ranks == [0, 1] and mesh.coords(1) == (1,)
