@@ -16,10 +16,10 @@ from divtrace.record import record  # noqa: E402
 
 
 def __getattr__(name):
-    if name == "open_trace":
-        from divtrace.trace.reader import open_trace
+    if name == "open_trace":  # a trace directory, or a run directory (one trace per rank) seen as one trace
+        from divtrace.align.shards.open import open_side
 
-        return open_trace
+        return open_side
     if name == "bisect":
         from divtrace.compare.bisect import bisect
 

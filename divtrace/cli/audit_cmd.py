@@ -110,7 +110,8 @@ def audit(
     bytes?), then each row of its row dim (tokens) alone, in halves of the batch, in a batch one smaller, and
     padded into a batch of 2M+1, each compared bitwise with the same row of the recorded batch. Ops that cannot
     be re-run (random, collectives) or whose rows cannot be told are listed as not audited. The first line is
-    `AUDIT: N ops, K not batch-invariant, D not deterministic`. Exit 0 clean, 1 findings, 2 bad input.
+    `AUDIT: N ops, K not batch-invariant, D not deterministic`. Exit 0 clean, 1 findings, 2 bad input. A run
+    directory (one trace per rank, docs/sharded.md) is audited rank by rank.
 
     \b
     Examples:
@@ -120,8 +121,23 @@ def audit(
       divtrace audit runs/train --under my_overrides.py:batch_invariant_mode --plot audit.png
     """
     from divtrace.audit import audit as run_audit
+    from divtrace.trace.run import is_run_dir, rank_dirs
 
     o = Output(json_out)
+    if is_run_dir(trace):  # one trace per rank (docs/sharded.md): each rank's ops ran on its own shards
+        if plot is not None:
+            from divtrace.errors import DivtraceError
+
+            raise DivtraceError(f"--plot: {trace} is a run directory; plot one rank's audit ({trace}/rank-0)")
+        per = {r: run_audit(d, under=under, device=device) for r, d in sorted(rank_dirs(trace).items())}
+        if json_out:
+            o.json({"run": str(trace), "verdict": "findings" if any(x.exit_code for x in per.values()) else "clean",
+                    "ranks": {str(r): x.to_dict() for r, x in per.items()}})
+        else:
+            for r, x in per.items():
+                o.line(f"rank {r} ({rank_dirs(trace)[r]}):")
+                render_audit(o, x)
+        return max(x.exit_code for x in per.values())
     r = run_audit(trace, under=under, device=device, progress=_progress() if sys.stderr.isatty() else None)
     if plot is not None:
         from divtrace.audit.plot import write_plot

@@ -115,6 +115,11 @@ def render_bisect(o: Output, r) -> None:
             rows.append(["differs in", f["reason"]])
         if f["outside_input"]:
             rows.append(["outside input", f["outside_input"]])
+        if f.get("shards"):  # a side is a sharded run: how each side computed it (docs/sharded.md)
+            sh = f["shards"]
+            rows.append(["layouts", sh["why"]])
+            rows += [[f"block ({s})", sh[f"block_{s}"]] for s in ("a", "b") if sh.get(f"block_{s}")]
+            rows += [[f"note ({s})", sh[f"note_{s}"]] for s in ("a", "b") if sh.get(f"note_{s}")]
         if f["metrics_available"] and f["mismatched"] is not None:
             rows += [["mismatched", f"{f['mismatched']} of {f['numel']} elements"],
                      ["max abs / max rel", f"{f['max_abs']:.6g} / {f['max_rel']:.6g}" if f["max_abs"] is not None else "-"],

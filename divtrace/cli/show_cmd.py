@@ -23,23 +23,81 @@ def trace_summary(t) -> dict:
             "top_ops": ops.most_common(15)}
 
 
+def run_summary(view) -> dict:
+    """A run directory: its ranks (status, records, layouts, collectives), groups and meshes."""
+    run = view.run
+    ranks = []
+    for r in range(run.world_size):
+        t = run.traces.get(r)
+        if t is None:
+            ranks.append({"rank": r, "present": False})
+            continue
+        lay = run.layouts[r]
+        ranks.append({"rank": r, "present": True, "status": t.status, "complete": t.complete, "records": len(t.rcall),
+                      "layouts": len(lay.values), "blocks": sum(1 for v in lay.values.values() if v.sharded),
+                      "collectives": len(lay.collectives)})
+    meshes = {(tuple(m.shape), tuple(m.dims), tuple(m.ranks), m.group) for lay in run.layouts.values()
+              for m in lay.meshes.values()}
+    return {"path": str(view.path), "run": True, "world_size": run.world_size, "complete": view.complete,
+            "status": view.status, "groups": [g.ranks for g in view.groups], "ranks": ranks,
+            "meshes": [{"shape": list(s), "dims": list(d), "ranks": list(r), "group": g} for s, d, r, g in sorted(
+                meshes, key=str)], "replicas_differ": list(view.findings)}
+
+
+def _show_run(o: Output, view, check: bool, json_out: bool) -> int:
+    from divtrace.trace.check import check_trace
+
+    s = run_summary(view)
+    checks = {r: check_trace(t) for r, t in view.run.traces.items()} if check else None
+    if checks is not None:
+        s["check"] = {str(r): c for r, c in checks.items()}
+    if json_out:
+        o.json(s)
+    else:
+        o.line(f"run {view.path}  world size {s['world_size']}  groups {s['groups']}  status={s['status']}"
+               + ("" if view.complete else "  (INCOMPLETE)"))
+        o.table("ranks", ["rank", "status", "records", "values with a layout", "blocks", "collectives"],
+                [[x["rank"], x.get("status", "no trace"), x.get("records", "-"), x.get("layouts", "-"),
+                  x.get("blocks", "-"), x.get("collectives", "-")] for x in s["ranks"]])
+        o.table("meshes and groups", ["shape", "dims", "ranks", "group"],
+                [[m["shape"], m["dims"], m["ranks"], m["group"] or "-"] for m in s["meshes"]])
+        for f in s["replicas_differ"]:
+            o.warn(f)
+        if checks is not None:
+            bad = {r: c for r, c in checks.items() if not c["ok"]}
+            if bad:
+                r, c = next(iter(bad.items()))
+                o.failed(f"rank {r}: {len(c['problems'])} problems: {c['problems'][0]}")
+            else:
+                o.passed(f"every rank's stored tensors match their fingerprints "
+                         f"({sum(c['tensors'] for c in checks.values())} tensors)")
+    return 0 if checks is None or all(c["ok"] for c in checks.values()) else 1
+
+
 def show(
-    trace: Annotated[Path, typer.Argument(metavar="TRACE", help="trace directory")],
+    trace: Annotated[Path, typer.Argument(metavar="TRACE", help="trace directory, or a run directory (RUN/rank-K)")],
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     check: Annotated[bool, typer.Option("--check", help="verify every stored tensor against its fingerprint")] = False,
 ):
-    """Show a trace: run metadata, record count, the module tree with call counts, sizes.
+    """Show a trace: run metadata, record count, the module tree with call counts, sizes. A run directory (one
+    trace per rank: docs/sharded.md) shows its ranks, their status and layouts, and the meshes they use.
 
     \b
     Examples:
       divtrace show runs/train
       divtrace show runs/train --json
       divtrace show runs/train --check
+      divtrace show runs/tp2
     """
     from divtrace.trace.reader import Trace
     from divtrace.trace.check import check_trace
+    from divtrace.trace.run import is_run_dir
 
     o = Output(json_out)
+    if is_run_dir(trace):
+        from divtrace.align.shards import open_side
+
+        return _show_run(o, open_side(trace), check, json_out)
     t = Trace(trace)
     s = trace_summary(t)
     check_result = check_trace(t) if check else None

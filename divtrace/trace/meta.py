@@ -59,6 +59,9 @@ def check_trace_dir(p: Path) -> None:
         if not p.is_dir():
             raise DivtraceError(f"{p}: is a file, not a trace directory")
         if not (p / META).is_file():
+            if any(c.name.startswith("rank-") and (c / META).is_file() for c in p.iterdir()):
+                raise DivtraceError(f"{p}: a run directory (one trace per rank: docs/sharded.md), not one trace; "
+                                    "this takes one rank's trace (RUN/rank-K)")
             what = "empty directory" if not any(p.iterdir()) else "directory without meta.json"
             raise DivtraceError(f"{p}: not a divtrace trace ({what})")
     except OSError as e:
