@@ -274,7 +274,32 @@ def parallel_mlp_worker(rank, world, root):
             with divtrace.record(m, os.path.join(root, mode), mode=mode):
                 m(x)
     caps, order = capture_mlp(m, x)
-    return (plain.calls, plain.bytes, recorded.calls, recorded.bytes, caps, order) if rank == 0 else None
+    # A value declared replicated (a Replicate DTensor) whose ranks hold other bytes: a finding of its own
+    rep = Replicated(mesh, 2.0 ** -10 if rank == world - 1 else 0.0)
+    with torch.no_grad(), divtrace.record(rep, os.path.join(root, "replicas"), mode="hash"):
+        rep(x)
+    refused = None
+    one = os.path.join(root, f"one-trace-{rank}")  # a directory that holds one (single-process) trace
+    os.makedirs(one)
+    with open(os.path.join(one, "meta.json"), "w") as f:
+        f.write("{}")
+    try:
+        divtrace.record(mlp(), one, mode="hash")
+    except divtrace.DivtraceError as e:
+        refused = str(e)
+    return (plain.calls, plain.bytes, recorded.calls, recorded.bytes, caps, order, refused) if rank == 0 else None
+
+
+def Replicated(mesh, offset: float):
+    """A module whose forward wraps `x + offset` as a Replicate DTensor (no check) and doubles it."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate
+
+    class Rep(torch.nn.Module):
+        def forward(self, x):
+            d = DTensor.from_local(x + offset, mesh, [Replicate()], run_check=False)
+            return (d * 2).to_local()
+    return Rep()
 
 
 def capture_mlp(m, x):

@@ -42,13 +42,13 @@ def run(tmp_path_factory):
 
 
 def test_recording_moves_no_tensor_bytes_between_ranks(run):
-    _, (plain_calls, plain_bytes, rec_calls, rec_bytes, _, _), _ = run
+    _, (plain_calls, plain_bytes, rec_calls, rec_bytes, _, _, _), _ = run
     assert plain_calls and plain_bytes  # the model's own all_reduce
     assert rec_calls == plain_calls * 2 and rec_bytes == plain_bytes * 2  # two recorded forwards, nothing more
 
 
 def test_parallelize_module_run_bisects_to_the_hooks_origin(run):
-    root, (_, _, _, _, caps, order), hooks = run
+    root, (_, _, _, _, caps, order, _), hooks = run
     expected = truth_origin(order, caps, hooks)
     for mode in ("hash", "full"):
         r = divtrace.bisect(str(root / "tp2" / mode), str(root / "tp1" / mode))
@@ -69,3 +69,18 @@ def test_dtensor_values_record_their_placements(run):
     assert any(c.kind == "all_reduce" and c.seq == 0 for c in lays.collectives.values())
     mesh = next(m for m in lays.meshes.values() if m.dims == ["tp"])
     assert mesh.ranks == [0, 1] and mesh.coords(1) == (1,)
+
+
+def test_replicas_that_differ_are_a_finding_of_their_own(run):
+    """A Replicate DTensor whose ranks hold other bytes: the run against itself is not identical; the first value
+    declared replicated is where the walker stops, and the finding names the ranks."""
+    root, _, _ = run
+    r = divtrace.bisect(str(root / "tp2" / "replicas"), str(root / "tp2" / "replicas"))
+    assert r.verdict == "diverged", r.to_dict()
+    assert "replicas differ: ranks [1] hold other bytes than rank 0" in r.first.shards["note_a"]
+    assert any("replicas differ" in w for w in r.warnings)
+
+
+def test_recording_into_a_directory_holding_one_trace_is_refused(run):
+    _, got, _ = run
+    assert "holds a single-process trace" in got[-1]
