@@ -66,8 +66,7 @@ class Divergence:
                   "first_index", "first_a", "first_b", "first_a_bits", "first_b_bits"):
             d[k] = m.get(k)
         d["metrics_available"] = self.diff is not None
-        if self.shards is not None:
-            d["shards"] = self.shards
+        d["shards"] = self.shards
         return d
 
 

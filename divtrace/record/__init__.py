@@ -36,6 +36,10 @@ def record(model, path, *, mode="full", ops=None, label=None, include=None, excl
     the inferred token dims where a shape fools the inference: `{module path regex: "bt" | "bht" | "n" | "none"}`
     applies to the values made inside a matching module and to its inputs and outputs.
 
+    Sharded runs: inside an initialized `torch.distributed` process group, `path` is a run directory and this
+    process records into `path/rank-K` (K its global rank), with each value's place in its global value (DTensor
+    placements, TP styles, collectives; docs/sharded.md). Every command that takes a trace takes the run directory.
+
     Example::
 
         with divtrace.record(model, "runs/train", mode="hash", label="train"):

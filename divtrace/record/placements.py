@@ -222,7 +222,9 @@ class Placements:
         partial = None
         if any(p[0] == "S" for p in lay.placements):
             try:
-                partial = to_hex(tensor_partial(t, lay.gshape, lay.offsets))
+                partial = tensor_partial(t, lay.gshape, lay.offsets)
+                if partial.device.type == "cpu":  # (else read to the host with the layouts' next flush)
+                    partial = to_hex(partial)
             except Exception as e:  # a shape the layout does not fit: no layout rather than a wrong one
                 self._warn(f"a shard layout did not fit its tensor ({type(e).__name__}: {e}); recorded as the rank's own")
                 del self.by_vid[vid]

@@ -190,7 +190,9 @@ class LayoutWriter:
         self.failed = False
 
     def add(self, line: dict) -> None:
-        self._lines.append(json.dumps(line, separators=(",", ":")))
+        """Queue a line. Its `h` may still be an int64 [2] tensor on a device: read to the host at the next flush,
+        all of them in one read (a partial fingerprint taken on a GPU never makes the host wait where it is taken)."""
+        self._lines.append(line)
 
     @property
     def buffered(self) -> int:
@@ -199,7 +201,15 @@ class LayoutWriter:
     def flush(self) -> None:
         if not self._lines or self.failed:
             return
-        data = ("\n".join(self._lines) + "\n").encode()
+        pending = [d for d in self._lines if "h" in d and not isinstance(d["h"], str)]
+        if pending:
+            import torch
+
+            from divtrace.trace.hashing.tensor import hexes
+
+            for d, h in zip(pending, hexes(torch.stack([d["h"] for d in pending]))):
+                d["h"] = h
+        data = ("\n".join(json.dumps(d, separators=(",", ":")) for d in self._lines) + "\n").encode()
         self._lines.clear()
         try:
             os.write(self._fd, data)
