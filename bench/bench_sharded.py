@@ -76,10 +76,10 @@ def rank_main(rank, world, model_dir, repeats, small):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--small", action="store_true", help="tiny model, for a smoke run")
+    ap = argparse.ArgumentParser(description="per-rank recording overhead of a TP=2 run, and TP=1 in the same run")
+    for flag, kw in (("--repeats", {"type": int, "default": 8}), ("--json", {"type": Path}),
+                     ("--small", {"action": "store_true", "help": "tiny model, for a smoke run"})):
+        ap.add_argument(flag, **kw)
     args = ap.parse_args(argv)
     import torch
 

@@ -187,23 +187,6 @@ def _mm(a, b, why) -> Lay | None:
     return None
 
 
-def _linear(x, w, why) -> Lay | None:
-    """linear(x [..., K], w [N, K])."""
-    (sx, lx), (sw, lw) = x, w
-    if _pending(lx) or _pending(lw):
-        return None
-    dx = _sharded_dims(sx, lx) if lx else set()
-    dw = _sharded_dims(sw, lw) if lw else set()
-    out = tuple(sx[:-1]) + (sw[0],)
-    last = len(sx) - 1
-    if not dx and dw == {0}:
-        return Lay(lw.mesh, tuple(f"S{last}" if p[0] == "S" else p for p in lw.placements),
-                   out[:-1] + (lw.gshape[0],), (0,) * last + (lw.offsets[0],), "rule", why)
-    if dx == {last} and dw == {1} and lx.offsets[last] == lw.offsets[1] and len(lw.placements) == 1:
-        return Lay(lw.mesh, ("P",), out, (0,) * len(out), "rule", why)
-    return None
-
-
 def _reduce_dims(args, nd) -> list[int] | None:
     dims = args[1] if len(args) > 1 else None
     if dims is None:
@@ -319,12 +302,6 @@ def propagate(name: str, pointwise: bool, args, items: dict, out_shapes: list) -
                                       and _mm(a, b, why).placements == ("P",)):
             return none
         return [_mm(a, b, why)]
-    if base == "linear":
-        x, w = items.get(0), items.get(1)
-        if x is None or w is None or (items.get(2) is not None and _linear(x, w, why) is not None
-                                      and _linear(x, w, why).placements == ("P",)):
-            return none
-        return [_linear(x, w, why)]
     if base == "bmm":
         a, b = items.get(0), items.get(1)
         if a is None or b is None:

@@ -192,6 +192,22 @@ class SideCode:
     seq_symbolic: bool = False  # some size is written in terms of S
 
 
+def op_call(i: int, rec, ctx: Ctx, code: SideCode, arg=None, who: str = "") -> str:
+    """The source of op record `i`'s call, each positional argument by `arg(j, a)` (default `literal`); where it
+    cannot be written as Python, an `_unreplayable(...)` call, noted in `code.unreplayable`."""
+    try:
+        args = [arg(j, a) if arg is not None else literal(a, ctx) for j, a in enumerate(rec.args)]
+        bad = [k for k in rec.kwargs if not _IDENT.match(str(k)) or keyword.iskeyword(str(k))]
+        if bad:
+            raise Unreplayable(f"keyword argument name {str(bad[0])[:40]!r} is not an identifier")
+        args += [f"{k}={literal(v, ctx)}" for k, v in rec.kwargs.items()]
+        return f"{op_expr(rec.op)}({', '.join(args)})"
+    except Unreplayable as e:
+        msg = f"record {i} ({rec.op}){who}: {e}"
+        code.unreplayable.append(msg)
+        return f"_unreplayable({ascii(msg)})"
+
+
 def _written_arg(rec, where) -> int | None:
     """The vid passed at `where` (a position, a keyword, or [either, k] for element k of a list argument)."""
     k = None
@@ -244,27 +260,17 @@ def gen_side(letter: str, side: Side, names: dict[int, str], params: list[str], 
         if ns not in ("aten", "prims", "prim") and rec.op not in code.custom_ops:
             code.custom_ops.append(rec.op)
         ctx = Ctx(ref, device)
-        try:
-            name = op_short(rec.op)
-            pos = SIZE_ARG.get(name, CREATION_SIZE_ARG.get(name))
-            args = []
-            for j, a in enumerate(rec.args):
-                b_site, s_site = use_sym and i in sites, i in s_sites
-                if j == pos and (b_site or s_site):
-                    args.append(_size_literal(a, batch if b_site else None, seq if s_site else None))
-                elif s_site and name == "arange" and j == 0:
-                    args.append("S")
-                else:
-                    args.append(literal(a, ctx))
-            bad = [k for k in rec.kwargs if not _IDENT.match(str(k)) or keyword.iskeyword(str(k))]
-            if bad:
-                raise Unreplayable(f"keyword argument name {str(bad[0])[:40]!r} is not an identifier")
-            args += [f"{k}={literal(v, ctx)}" for k, v in rec.kwargs.items()]
-            call = f"{op_expr(rec.op)}({', '.join(args)})"
-        except Unreplayable as e:
-            msg = f"record {i} ({rec.op}): {e}"
-            code.unreplayable.append(msg)
-            call = f"_unreplayable({ascii(msg)})"
+        name = op_short(rec.op)
+        pos = SIZE_ARG.get(name, CREATION_SIZE_ARG.get(name))
+        b_site, s_site = use_sym and i in sites, i in s_sites
+
+        def arg(j, a, ctx=ctx, name=name, pos=pos, b_site=b_site, s_site=s_site):
+            if j == pos and (b_site or s_site):
+                return _size_literal(a, batch if b_site else None, seq if s_site else None)
+            if s_site and name == "arange" and j == 0:
+                return "S"
+            return literal(a, ctx)
+        call = op_call(i, rec, ctx, code, arg)
         module = t.calls[rec.call_id].module
         comment = f"  # record {i}, {ascii(module or '<root>')}"
         if isinstance(rec.out, dict) and set(rec.out) == {"$writes"}:

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from divtrace.errors import DivtraceError
-from divtrace.repro.codegen import Ctx, SideCode, Unreplayable, _out_paths, _written_arg, literal, op_expr, render
+from divtrace.repro.codegen import Ctx, SideCode, _out_paths, _written_arg, op_call, render
 from divtrace.repro.region import op_short
 
 _IDENTITY = {"wait_tensor", "_wrap_tensor_autograd"}
@@ -102,14 +102,7 @@ def _emit_op(side: RankedSide, r, tr, i: int, refs: dict, lines: list, fresh, co
         for v in rec.outputs:
             ref[v] = ref[rec.inputs[0]]
         return
-    try:
-        args = [literal(a, Ctx(ref, "cpu")) for a in rec.args]
-        args += [f"{k}={literal(v, Ctx(ref, 'cpu'))}" for k, v in rec.kwargs.items()]
-        call = f"{op_expr(rec.op)}({', '.join(args)})"
-    except Unreplayable as e:
-        msg = f"record {i} ({rec.op}){who}: {e}"
-        code.unreplayable.append(msg)
-        call = f"_unreplayable({ascii(msg)})"
+    call = op_call(i, rec, Ctx(ref, "cpu"), code, who=who)
     comment = f"  # record {i}{who}"
     if isinstance(rec.out, dict) and set(rec.out) == {"$writes"}:
         lines.append(f"    {call}{comment}")
