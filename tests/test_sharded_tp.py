@@ -78,15 +78,20 @@ def test_every_module_output_is_the_hooks_global_value(runs, name):
     assert checked >= 20
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_hash_mode_gives_full_modes_origin(runs, dtype):
+@pytest.mark.parametrize("name", ["fp32", "bf16", "plant"])
+def test_hash_mode_and_token_alignment_give_full_modes_origin(runs, name):
+    """Hash mode (partial fingerprints summed) and token alignment (row partials summed) find what full mode
+    finds by calls."""
     root, _, _ = runs
-    full, hashed = _bisect(root, f"{dtype}-full"), _bisect(root, f"{dtype}-hash")
-    assert hashed.verdict == full.verdict
-    if full.first is not None:
-        assert (hashed.first.module, hashed.first.op, hashed.first.op_b) == (full.first.module, full.first.op,
-                                                                             full.first.op_b)
-        assert hashed.first.shards["why"] == full.first.shards["why"]
+    full = _bisect(root, f"{name}-full")
+    for other in (_bisect(root, f"{name}-hash"),
+                  divtrace.bisect(str(root / "tp2" / f"{name}-hash"), str(root / "tp1" / f"{name}-hash"),
+                                  align="tokens")):
+        assert other.verdict == full.verdict
+        if full.first is not None:
+            assert (other.first.module, other.first.op, other.first.op_b) == (full.first.module, full.first.op,
+                                                                               full.first.op_b)
+            assert other.first.shards["why"] == full.first.shards["why"]
 
 
 def test_planted_difference_in_one_ranks_column_block(runs):
@@ -103,6 +108,7 @@ def test_planted_difference_in_one_ranks_column_block(runs):
         assert r.first.op == r.first.op_b == "aten.mul.Tensor"  # the planted op, not the matmul before it
     r = _bisect(root, "plant-full")
     assert r.first.shards["block_a"] == f"rank 1's block (dim 2: {half}..{2 * half - 1})", r.first.shards
+    assert r.first.shards["why"] == "q_proj: mul on 2 blocks of dim 2, one per rank on a, mul on b"
     first = r.first.diff.first_index
     assert half <= first[-1] < 2 * half
 

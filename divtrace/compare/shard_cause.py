@@ -65,7 +65,12 @@ def _side_text(t, region: list, vid) -> str:
         return f"one matmul over K={k}" if k is not None else "one matmul"
     if colls:
         return f"{colls[0][1].kind} over {len(colls)} collective(s)"
-    return ", ".join(n for _, n in ops[:4]) or "no op (the value came from outside)"
+    text = ", ".join(n for _, n in ops[:4]) or "no op (the value came from outside)"
+    vp = _plan(base, vid) if hasattr(base, "run") else None
+    if vp is not None and vp.kind == "blocks" and vp.layout is not None:
+        dims = sorted({int(p[1:]) for p in vp.layout[0] if p.startswith("S")})
+        text += f" on {len(vp.blocks)} blocks of dim {', '.join(map(str, dims))}, one per rank"
+    return text
 
 
 def _block_of(t, vid, diff) -> str | None:
