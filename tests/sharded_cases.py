@@ -278,6 +278,9 @@ def parallel_mlp_worker(rank, world, root):
     rep = Replicated(mesh, 2.0 ** -10 if rank == world - 1 else 0.0)
     with torch.no_grad(), divtrace.record(rep, os.path.join(root, "replicas"), mode="hash"):
         rep(x)
+    colls = Collectives()
+    with torch.no_grad(), divtrace.record(colls, os.path.join(root, "collectives"), mode="full"):
+        got = colls(torch.arange(8.0) + 10 * rank)
     refused = None
     one = os.path.join(root, f"one-trace-{rank}")  # a directory that holds one (single-process) trace
     os.makedirs(one)
@@ -287,7 +290,8 @@ def parallel_mlp_worker(rank, world, root):
         divtrace.record(mlp(), one, mode="hash")
     except divtrace.DivtraceError as e:
         refused = str(e)
-    return (plain.calls, plain.bytes, recorded.calls, recorded.bytes, caps, order, refused) if rank == 0 else None
+    return (plain.calls, plain.bytes, recorded.calls, recorded.bytes, caps, order, refused, got) if rank == 0 \
+        else got
 
 
 def Replicated(mesh, offset: float):
@@ -333,3 +337,23 @@ def capture_mlp(m, x):
             got.append(parts[0].clone() if same else torch.cat(parts, dim=-1))
         out[path] = tuple(got)
     return out, order
+
+
+def Collectives():
+    """A module whose forward runs c10d's reduce_scatter, all_to_all and all_gather and a functional all_reduce."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    class C(torch.nn.Module):
+        def forward(self, x):
+            world = dist.get_world_size()
+            rs = torch.empty(x.numel() // world)
+            dist.reduce_scatter_tensor(rs, x * 1.0)
+            a2a = torch.empty_like(x)
+            dist.all_to_all_single(a2a, x + 1)
+            parts = [torch.empty_like(rs) for _ in range(world)]
+            dist.all_gather(parts, rs * 2)
+            ar = fc.all_reduce(x * 3, "sum", dist.group.WORLD)
+            return {"rs": rs, "a2a": a2a, "gathered": torch.cat(parts), "ar": ar + 0}
+    return C()

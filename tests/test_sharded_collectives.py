@@ -16,7 +16,8 @@ import pytest
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlp")
-    got = run_ranks(parallel_mlp_worker, 2, str(root / "tp2"))[0]
+    got, rank1 = run_ranks(parallel_mlp_worker, 2, str(root / "tp2"))
+    got = (*got, rank1)
     m = mlp()
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     threads = torch.get_num_threads()
@@ -42,13 +43,13 @@ def run(tmp_path_factory):
 
 
 def test_recording_moves_no_tensor_bytes_between_ranks(run):
-    _, (plain_calls, plain_bytes, rec_calls, rec_bytes, _, _, _), _ = run
+    _, (plain_calls, plain_bytes, rec_calls, rec_bytes, *_), _ = run
     assert plain_calls and plain_bytes  # the model's own all_reduce
     assert rec_calls == plain_calls * 2 and rec_bytes == plain_bytes * 2  # two recorded forwards, nothing more
 
 
 def test_parallelize_module_run_bisects_to_the_hooks_origin(run):
-    root, (_, _, _, _, caps, order, _), hooks = run
+    root, (_, _, _, _, caps, order, *_), hooks = run
     expected = truth_origin(order, caps, hooks)
     for mode in ("hash", "full"):
         r = divtrace.bisect(str(root / "tp2" / mode), str(root / "tp1" / mode))
@@ -83,4 +84,33 @@ def test_replicas_that_differ_are_a_finding_of_their_own(run):
 
 def test_recording_into_a_directory_holding_one_trace_is_refused(run):
     _, got, _ = run
-    assert "holds a single-process trace" in got[-1]
+    assert "holds a single-process trace" in got[6]
+
+
+def test_collectives_are_ops_with_their_group_order_and_results(run):
+    """reduce_scatter, all_to_all, all_gather (c10d) and a functional all_reduce: each an op record whose outputs
+    are what the collective gave (waited for where recorded), with its kind, group and order; a reduce_scatter's
+    blocks put together are the reduced value."""
+    from divtrace.align.shards import open_side
+    from divtrace.trace.hashing.tensor import tensor_hash
+    from divtrace.trace.layouts import read_layouts
+
+    root, got, _ = run
+    outs = {0: got[7], 1: got[8]}
+    run_dir = root / "tp2" / "collectives"
+    for rank in (0, 1):
+        t = divtrace.open_trace(run_dir / f"rank-{rank}")
+        lays = read_layouts(run_dir / f"rank-{rank}")
+        seen = sorted(lays.collectives.values(), key=lambda c: c.index)
+        assert [c.kind for c in seen] == ["reduce_scatter", "all_to_all", "all_gather", "all_reduce"]
+        assert [c.seq for c in seen] == [0, 1, 2, 3] and all(lays.meshes[c.mesh].ranks == [0, 1] for c in seen)
+        by_kind = {c.kind: t.rout[c.index] for c in seen}
+        assert bits_equal(t.tensor(by_kind["reduce_scatter"][0]), outs[rank]["rs"])
+        assert bits_equal(t.tensor(by_kind["all_to_all"][0]), outs[rank]["a2a"])
+        assert [bits_equal(t.tensor(v), p) for v, p in zip(by_kind["all_gather"], outs[rank]["gathered"].chunk(2))] \
+            == [True, True]
+    view = open_side(run_dir)
+    rs_vid = view.rout[next(c.index for c in read_layouts(run_dir / "rank-0").collectives.values()
+                            if c.kind == "reduce_scatter")][0]
+    whole = torch.cat([outs[0]["rs"], outs[1]["rs"]])
+    assert view.vkey[rs_vid][1:] == (tuple(whole.shape), tensor_hash(whole))
