@@ -162,8 +162,8 @@ def render_bisect(o: Output, r) -> None:
 
 
 def bisect(
-    a: Annotated[Path, typer.Argument(metavar="A", help="trace of side a (e.g. training)")],
-    b: Annotated[Path, typer.Argument(metavar="B", help="trace of side b (e.g. inference)")],
+    a: Annotated[Path, typer.Argument(metavar="A", help="trace of side a (e.g. training), or a run directory (one trace per rank)")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="trace of side b (e.g. inference), or a run directory")],
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable result (keys: docs/json.md)")] = False,
     atol: Annotated[Optional[float], typer.Option(help="opt-in absolute tolerance")] = None,
     rtol: Annotated[Optional[float], typer.Option(help="opt-in relative tolerance")] = None,
@@ -195,6 +195,7 @@ def bisect(
       divtrace bisect runs/train runs/infer --map names.yaml --ulp 2
       divtrace bisect runs/train runs/infer --plot parting.png
       divtrace bisect runs/train runs/rollout --align tokens
+      divtrace bisect runs/tp2 runs/tp1     (run directories: one trace per rank, docs/sharded.md)
     """
     from divtrace.align.paths import PathMap
     from divtrace.compare.bisect import bisect as run_bisect

@@ -11,8 +11,8 @@ from divtrace.cli.output import Output
 
 
 def repro(
-    a: Annotated[Path, typer.Argument(metavar="A", help="trace of side a (e.g. training)")],
-    b: Annotated[Path, typer.Argument(metavar="B", help="trace of side b (e.g. inference)")],
+    a: Annotated[Path, typer.Argument(metavar="A", help="trace of side a (e.g. training), or a run directory (one trace per rank)")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="trace of side b (e.g. inference), or a run directory")],
     out: Annotated[Path, typer.Option("--out", "-o", help="directory to write repro.py and its data into")],
     at: Annotated[Optional[int], typer.Option("--at", help="record index of side a (an op or a module call's "
                                                           "exit) to reproduce instead of the first divergence")] = None,

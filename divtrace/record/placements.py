@@ -178,7 +178,7 @@ class Placements:
         lays = [self.dtensor_lay(t) if t is not p else None for t, p in zip(outs, plain_out)]
         if collective_lays is not None:
             lays = [a or b for a, b in zip(lays, collective_lays)]
-        elif not all(lays):
+        elif not all(lays) and any(v in self.by_vid for v in vids_in):  # (no input with a layout: none to carry)
             items = _arg_items(args, tensors_in, plain_in, vids_in, self.by_vid)
             if items is not None:
                 pointwise = torch.Tag.pointwise in getattr(func, "tags", ())
