@@ -19,7 +19,7 @@ docs/sharded.md); read by divtrace.trace.run and unsharded by divtrace.align.sha
   record: its kind, the group it ran on (as a mesh), and its place among the collectives this rank ran on that
   group (`seq`, from 0).
 
-Lines are appended as the recording goes (whenever the trace's records are flushed, at each root call's end and
+Lines are appended as the recording goes (with the first layout after each flush of the trace's records, and
 at close); a line cut by a crash ends what is read, and lines about values or records the trace does not hold
 are ignored.
 """
