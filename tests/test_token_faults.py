@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from divtrace.trace.reader import Trace
 from test_trace_fixtures import cli
 from token_faults import MUTATIONS, ROWS_BIN, ROWS_INDEX, TOKENS, flip_bit
 
@@ -152,3 +153,25 @@ def test_traces_written_before_token_checksums_read_with_one_warning(pairs, tmp_
         MUTATIONS[fname][name](bad / fname, random.Random(name))
         code, out, err = cli("bisect", train, bad)
         assert code == 2 and str(bad) in err and "internal error" not in err, (fname, name, err)
+
+
+def test_a_zeroed_module_output_row_is_damage_and_repro_refuses_it(pairs, tmp_path):
+    """Zeroing one row of a module's output in rows.bin read "FAILED: diverged ... mismatched 0 of 256, max abs
+    0" (rows whose stored bytes are equal named as a divergence), and repro wrote a repro of it. It is damage: the
+    checksums say so, bisect and repro are bad input naming rows.bin, and no repro is written."""
+    train, roll = pairs["full"]
+    bad = shutil.copytree(train, tmp_path / "train")
+    t = Trace(train)
+    idx = t.token_index()
+    mlp = next(c for c in t.calls.values() if c.module == "model.layers.0.mlp")
+    vid = mlp.outputs[0][1]
+    cid, code, off = idx.index[vid]
+    assert code == "bt" and off >= 0 and t.vkey[vid][1][-1] == 128  # [B, T, 128] bf16: 256-byte rows
+    data = bytearray((bad / ROWS_BIN).read_bytes())
+    data[8 * off:8 * off + 8] = bytes(8)
+    (bad / ROWS_BIN).write_bytes(bytes(data))
+    for a, b in ((bad, roll), (roll, bad)):
+        code, out, err = cli("bisect", a, b)
+        assert code == 2 and f"{bad / ROWS_BIN}: contents do not match the sha256" in err and "FAILED" not in out, err
+    code, out, err = cli("repro", bad, roll, "--out", tmp_path / "repro")
+    assert code == 2 and str(bad / ROWS_BIN) in err and not (tmp_path / "repro" / "repro.py").exists(), err
