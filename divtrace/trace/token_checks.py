@@ -130,10 +130,10 @@ def check_keys(grids, first_ids: dict, where) -> None:
     """Every token's key must be the fold of its sequence's ids at positions 0..p (divtrace.trace.token_keys): its
     sequence's key at p - 1 (the latest written before it) extended by its id. Padding cells (key 0) belong to no
     sequence. Raises naming the grid's line and the cell."""
-    import numpy as np
-
     if not grids:
         return
+    import numpy as np
+
     arrays = [g.arrays for g in grids]
     keys = np.concatenate([a[0] for a in arrays])
     pos = np.concatenate([a[1] for a in arrays])

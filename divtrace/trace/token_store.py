@@ -60,17 +60,32 @@ def _grid(d: dict, where, n: int) -> Grid:
     if not (isinstance(shape, list) and len(shape) in (1, 2) and all(type(x) is int and x >= 0 for x in shape)):
         raise DivtraceError(f"{at}: a token grid of shape {str(shape)[:40]} (one or two sizes)")
     cells = shape[0] * (shape[1] if len(shape) == 2 else 1)
-    arrays = []
-    for k in ("keys", "pos", "ids", "fed", "seq"):
-        a = checks.int_array(d[k], at, k, unsigned=k == "keys")
-        if len(a) != cells:
-            raise DivtraceError(f"{at}: `{k}` holds {len(a)} entries for a grid of {cells} cells")
-        arrays.append(a)
+    for k in _CELL_LISTS:
+        if not isinstance(d[k], list) or len(d[k]) != cells:
+            raise DivtraceError(f"{at}: `{k}` is not a list of {cells} entries, one per cell of the grid")
     return Grid(c, num, shape, kv, src, d["keys"], d["pos"], d["ids"], d["fed"], d["seq"], n,
-                {k: v for k, v in d.items() if k not in _GRID_KEYS}, (arrays[0], arrays[1], arrays[2], arrays[4]))
+                {k: v for k, v in d.items() if k not in _GRID_KEYS})
 
 
-def _read_tokens(data: bytes, where) -> tuple[list[Grid], dict, list]:
+_CELL_LISTS = ("keys", "pos", "ids", "fed", "seq")
+
+
+def check_grids(grids: list[Grid], first_ids: dict, where) -> None:
+    """Every cell an integer, and every token's key the fold of its sequence's ids (numpy: a trace the checksums
+    vouch for is checked so only in `check()`, since its bytes are what the recorder wrote)."""
+    for g in grids:
+        at = f"{where}:{g.line}"
+        keys, pos, ids, fed, seq = (checks.int_array(getattr(g, f), at, k, unsigned=k == "keys")
+                                    for f, k in zip(("keys", "pos", "ids", "fed", "seq"), _CELL_LISTS))
+        g.arrays = (keys, pos, ids, seq)
+    try:
+        checks.check_keys(grids, first_ids, where)
+    finally:
+        for g in grids:
+            g.arrays = ()
+
+
+def _read_tokens(data: bytes, where, strict: bool) -> tuple[list[Grid], dict, list]:
     grids: list[Grid] = []
     first_ids: dict[int, tuple[list[int], int]] = {}
     other = []
@@ -92,7 +107,8 @@ def _read_tokens(data: bytes, where) -> tuple[list[Grid], dict, list]:
             first_ids[s] = (first, n)
         else:
             other.append(d)  # a line kind of a newer divtrace
-    checks.check_keys(grids, first_ids, where)
+    if strict:
+        check_grids(grids, first_ids, where)
     return grids, first_ids, other
 
 
@@ -112,8 +128,12 @@ class TokenIndex:
         if not self.verified and any(data.values()):
             trace.warnings.append(f"{p}: token files written before divtrace checked them ({', '.join(TOKEN_FILES)}"
                                   " have no checksums): they are read unverified")
+        # The bytes the checksums vouch for are what the recorder wrote: their keys are re-folded in check() only;
+        # where nothing vouches for them (older traces), or to name the line of damage the checksums found, now.
+        strict = not self.verified or bool(bad)
         try:
-            grids, first_ids, self.other_lines = _read_tokens(data[TOKENS], p / TOKENS)
+            grids, first_ids, self.other_lines = _read_tokens(data[TOKENS], p / TOKENS, strict)
+            self._unchecked = None if strict else (grids, first_ids)
             self._rows_data = data[ROWS_INDEX]
             self._bin_data = data[ROWS_BIN]
             if len(self._bin_data) % 8:
@@ -122,7 +142,6 @@ class TokenIndex:
             self.grids: dict[int, Grid] = {}
             self.cut_grids: dict[int, list[int]] = {}  # call id -> grid shape of grids cut back (incomplete trace)
             for g in grids:
-                g.arrays = ()
                 self._take_grid(g)
             self.first_ids = {s: first for s, (first, _) in first_ids.items()}
             self._check_counts_of_grids(len(grids))
@@ -188,7 +207,10 @@ class TokenIndex:
         return self._index
 
     def check(self) -> None:
-        """Read and check everything (the grids are checked when the files are opened, the rows here)."""
+        """Read and check everything: the rows, and every key of the grids (see __init__)."""
+        if self._unchecked is not None:
+            check_grids(*self._unchecked, self.path / TOKENS)
+            self._unchecked = None
         self.index
 
     @property
