@@ -175,3 +175,36 @@ def test_a_zeroed_module_output_row_is_damage_and_repro_refuses_it(pairs, tmp_pa
         assert code == 2 and f"{bad / ROWS_BIN}: contents do not match the sha256" in err and "FAILED" not in out, err
     code, out, err = cli("repro", bad, roll, "--out", tmp_path / "repro")
     assert code == 2 and str(bad / ROWS_BIN) in err and not (tmp_path / "repro" / "repro.py").exists(), err
+
+
+def _reseal(path: Path) -> None:
+    """Give the token files of a closed trace the digests a writer of their current bytes would have written."""
+    import hashlib
+
+    meta = json.loads((path / "meta.json").read_text())
+    for name in meta["file_checksums"]:
+        data = (path / name).read_bytes() if (path / name).exists() else b""
+        meta["file_checksums"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def test_lines_and_keys_of_a_newer_divtrace_are_kept_not_refused(pairs, tmp_path):
+    """Forward compatible: a line kind this reader does not know (a newer divtrace's declared final values) and a
+    grid key it does not know (a per-grid `used` positions list) are kept for whoever reads them, and the trace
+    reads as before."""
+    train, roll = pairs["hash"]
+    new = shutil.copytree(roll, tmp_path / "newer")
+    lines = (new / TOKENS).read_text().splitlines()
+    i = next(i for i, x in enumerate(lines) if x.startswith('{"c"'))
+    grid = json.loads(lines[i])
+    grid["used"] = [0, 1]
+    lines[i] = json.dumps(grid, separators=(",", ":"))
+    lines.append(json.dumps({"final": {"c": grid["c"], "key": "out.logits"}}))
+    (new / TOKENS).write_text("\n".join(lines) + "\n")
+    _reseal(new)
+    code, r, err = _bisect_json(train, new)
+    assert code == 0 and r["verdict"] == "identical" and r["alignment"] == "tokens", err
+    idx = Trace(new).token_index()
+    idx.check()
+    assert idx.grids[grid["c"]].extra == {"used": [0, 1]}
+    assert idx.other_lines == [(len(lines), {"final": {"c": grid["c"], "key": "out.logits"}})]

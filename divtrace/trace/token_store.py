@@ -3,9 +3,9 @@ divtrace.record.token_store, in step with records.jsonl and under its checksums:
 
 - tokens.jsonl: one line per root call with token identity: {"c": call id, "n": root call number, "shape": grid,
   "kv": key/value length, "src": "hf"|"declared", "keys", "pos", "ids", "fed", "seq"} (lists, one entry per
-  cell), preceded by {"S": sequence number, "first": first ids} for each sequence that starts in that call. Lines
-  of another kind, and keys a grid line has beyond these, are kept for a newer reader (`other_lines`,
-  `Grid.extra`).
+  cell), preceded by {"S": sequence number, "first": first ids} for each sequence that starts in that call. A line
+  is a grid when it has "c" and "keys", a sequence start when it has "S"; any other JSON object is a line kind of a
+  newer divtrace, kept as (line number, object) in `other_lines`, as are a grid line's other keys in `Grid.extra`.
 - rows.bin: little-endian uint64 row fingerprints (divtrace.record.rowhash, scheme in meta tokens.row_scheme), 8
   bytes per token row.
 - rows.jsonl: one line per value with token rows: [vid, call id, layout code, offset in rows.bin (in rows)].
@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass, field
 
 from divtrace.errors import DivtraceError
+from divtrace.trace.files import CHECKSUMS
 from divtrace.trace import token_checks as checks
 from divtrace.trace import token_layout
 
@@ -92,7 +93,7 @@ def _read_tokens(data: bytes, where, strict: bool) -> tuple[list[Grid], dict, li
     for n, d in checks.json_lines(data, where):
         if not isinstance(d, dict):
             raise DivtraceError(f"{where}:{n}: not a token line (a JSON object)")
-        if "c" in d:
+        if "c" in d and "keys" in d:
             g = _grid(d, where, n)
             if grids and g.call_id <= grids[-1].call_id:
                 raise DivtraceError(f"{where}:{n}: the grid of call {g.call_id} after the grid of call "
@@ -106,7 +107,7 @@ def _read_tokens(data: bytes, where, strict: bool) -> tuple[list[Grid], dict, li
                 raise DivtraceError(f"{where}:{n}: sequence {s} starts again or out of order")
             first_ids[s] = (first, n)
         else:
-            other.append(d)  # a line kind of a newer divtrace
+            other.append((n, d))  # a line kind of a newer divtrace: (line number, object)
     if strict:
         check_grids(grids, first_ids, where)
     return grids, first_ids, other
@@ -126,8 +127,10 @@ class TokenIndex:
         if not self.verified and not trace.complete:
             data = {n: (checks.cut_torn_line(b) if n != ROWS_BIN else b[:len(b) - len(b) % 8]) for n, b in data.items()}
         if not self.verified and any(data.values()):
-            trace.warnings.append(f"{p}: token files written before divtrace checked them ({', '.join(TOKEN_FILES)}"
-                                  " have no checksums): they are read unverified")
+            trace.warnings.append(
+                f"{p}: {CHECKSUMS} is missing, so the token files are read unverified" if "file_checksums" in trace.meta
+                else f"{p}: token files written before divtrace checked them ({', '.join(TOKEN_FILES)} have no "
+                     "checksums): they are read unverified")
         # The bytes the checksums vouch for are what the recorder wrote: their keys are re-folded in check() only;
         # where nothing vouches for them (older traces), or to name the line of damage the checksums found, now.
         strict = not self.verified or bool(bad)
