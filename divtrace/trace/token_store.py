@@ -154,10 +154,10 @@ class TokenIndex:
                 self.index
         except DivtraceError as e:
             if bad:
-                raise DivtraceError(f"{e}; {' '.join(bad.values())}") from None
+                raise DivtraceError("; ".join([str(e), *bad.values()])) from None
             raise
         if bad:
-            raise DivtraceError(next(iter(bad.values())))
+            raise DivtraceError("; ".join(bad.values()))
 
     def _take_grid(self, g: Grid) -> None:
         call = self.trace.calls.get(g.call_id)
