@@ -99,3 +99,11 @@ def test_only_random_ops_is_inconclusive(tmp_path):
     r = json.loads(out)
     assert code == 3 and r["verdict"] == "inconclusive" and r["audited"] == 0 and r["ops"] == r["not_audited"] >= 1
     assert "a random op" in r["reason"]
+
+
+def test_an_entry_file_with_a_syntax_error_is_one_line_too(tiny, tmp_path):
+    """The loader audit --under shares with `divtrace record ENTRY`: the same one line there."""
+    _, d = tiny
+    code, out, err = cli("record", f"{d / 'broken.py'}:mode", "--out", tmp_path / "t")
+    assert code == 2 and err.strip() == f"divtrace: error: ENTRY '{d / 'broken.py'}:mode': {d / 'broken.py'}:1: invalid syntax"
+    assert not (tmp_path / "t").exists()
