@@ -61,7 +61,7 @@ def test_an_under_file_with_a_syntax_error_is_one_line_naming_the_file(tiny):
     trace, d = tiny
     code, out, err = cli("audit", trace, "--under", f"{d / 'broken.py'}:mode")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "internal error" not in err, err
-    assert f"{d / 'broken.py'}:1: invalid syntax" in err
+    assert f"{d / 'broken.py'}:1: " in err
 
 
 def test_a_class_is_a_factory(tiny):
@@ -105,5 +105,7 @@ def test_an_entry_file_with_a_syntax_error_is_one_line_too(tiny, tmp_path):
     """The loader audit --under shares with `divtrace record ENTRY`: the same one line there."""
     _, d = tiny
     code, out, err = cli("record", f"{d / 'broken.py'}:mode", "--out", tmp_path / "t")
-    assert code == 2 and err.strip() == f"divtrace: error: ENTRY '{d / 'broken.py'}:mode': {d / 'broken.py'}:1: invalid syntax"
+    said = err.strip()  # (the parser's own words after the line number differ between Python versions)
+    assert code == 2 and said.startswith(f"divtrace: error: ENTRY '{d / 'broken.py'}:mode': {d / 'broken.py'}:1: ")
+    assert len(said.splitlines()) == 1
     assert not (tmp_path / "t").exists()
