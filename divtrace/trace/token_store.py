@@ -230,6 +230,8 @@ class RowsIndexCheck:
         self.end = 0  # rows accounted for: each line's offset is either here (new rows) or before it (shared)
         self.values = self.shared = 0
         self.whole: dict[str, int] = {}
+        self._counts: dict[tuple, int] = {}
+        self._fits: dict[tuple, bool] = {}
 
     def read(self, data: bytes) -> dict:
         lines = data.split(b"\n")
@@ -252,20 +254,17 @@ class RowsIndexCheck:
         return index
 
     def _line(self, n: int, e, index: dict) -> None:
-        if type(e) is not list or len(e) != 4 or not all(type(x) is int for x in (e[0], e[1], e[3])):
+        if type(e) is not list or len(e) != 4 or type(e[0]) is not int or type(e[1]) is not int \
+                or type(e[3]) is not int:
             raise DivtraceError(f"{self.where}:{n}: not a rows line [value id, call id, layout, offset]")
         vid, cid, code, off = e
-        g = self.tokens.grids.get(cid)
-        grid_shape = g.shape if g is not None else self.tokens.cut_grids.get(cid)
-        if not checks.valid_code(code):
-            raise DivtraceError(f"{self.where}:{n}: unknown layout {str(code)[:20]!r}")
-        if (off == -1) != (code in checks.WHOLE_CODES) or off < -1:
+        count = self._counts.get((cid, code))  # rows a value of this layout holds in this call (memo: a long
+        if count is None:                      # rollout has 150k lines over a few layouts per call)
+            count = self._count(n, vid, cid, code)
+            if count is None:
+                return  # an unverified trace a kill cut: its grid line was torn
+        if (off == -1) != (count < 0) or off < -1:
             raise DivtraceError(f"{self.where}:{n}: offset {off} for layout {code!r}")
-        if grid_shape is None:
-            if self.tokens.complete or self.tokens.verified:
-                raise DivtraceError(f"{self.where}:{n}: value {vid} of call {cid}, which has no token grid in {TOKENS}")
-            return  # an unverified trace a kill cut: its grid line was torn
-        count = 0 if off < 0 else token_layout.row_count(code, grid_shape)
         if off >= 0:
             if off == self.end:
                 self.end += count
@@ -280,8 +279,9 @@ class RowsIndexCheck:
                     raise DivtraceError(f"{self.where}:{n}: rows {off}..{off + count - 1} lie past the end of "
                                         f"{ROWS_BIN} ({self.rows} rows)")
                 return  # an unverified trace a kill cut: its rows stop here
-        elif off < 0:
+        else:
             self.whole[code] = self.whole.get(code, 0) + 1
+        g = self.tokens.grids.get(cid)
         if g is None:
             return  # a call a kill left out of the records
         key = self.tokens.trace.vkey.get(vid)
@@ -291,10 +291,26 @@ class RowsIndexCheck:
             return
         if vid in index:
             raise DivtraceError(f"{self.where}:{n}: value {vid} listed twice")
-        if not token_layout.fits(code, key[1], g.shape):
+        fits = self._fits.get((cid, code, key[1]))
+        if fits is None:
+            fits = self._fits[(cid, code, key[1])] = token_layout.fits(code, key[1], g.shape)
+        if not fits:
             raise DivtraceError(f"{self.where}:{n}: layout {code!r} does not fit value {vid} of shape {list(key[1])} "
                                 f"in a call whose token grid is {g.shape}")
         index[vid] = (cid, code, off)
+
+    def _count(self, n: int, vid: int, cid: int, code) -> int | None:
+        """Rows a value of layout `code` holds in call `cid` (-1: compared whole, no rows); None: no grid to say."""
+        if not checks.valid_code(code):
+            raise DivtraceError(f"{self.where}:{n}: unknown layout {str(code)[:20]!r}")
+        g = self.tokens.grids.get(cid)
+        grid_shape = g.shape if g is not None else self.tokens.cut_grids.get(cid)
+        if grid_shape is None:
+            if self.tokens.complete or self.tokens.verified:
+                raise DivtraceError(f"{self.where}:{n}: value {vid} of call {cid}, which has no token grid in {TOKENS}")
+            return None
+        count = self._counts[(cid, code)] = -1 if code in checks.WHOLE_CODES else token_layout.row_count(code, grid_shape)
+        return count
 
     def check_counts(self, summary: dict | None) -> None:
         """A complete trace's meta.json `tokens` counts against the files."""
