@@ -189,3 +189,36 @@ def test_the_reason_says_how_far_it_got_and_only_what_is_true(runs):
                     "calls, not these: how far it got cannot be measured against it)") in reason, reason
             assert f" of {len(train_roots)} after" not in reason and "of the reference's" not in reason
     assert seen_other_work >= 2
+
+
+def test_an_older_killed_trace_whose_token_files_ran_ahead_is_inconclusive(runs, tmp_path):
+    """What a kill left before this change: token files appended at each root call's end, records.jsonl flushed
+    later, so tokens.jsonl and rows.jsonl name calls and values records.jsonl never got (bisect said `internal
+    error: KeyError: 0`). Made from the complete rollout: meta.json as at the start of a recording, records.jsonl
+    cut back to a checkpoint half-way, the token files whole and without checksums. The token lines past the
+    records are cut back; the trace is inconclusive, with one warning that its token files are unverified."""
+    import shutil
+
+    t = shutil.copytree(runs["rollout"], tmp_path / "old-killed")
+    meta = json.loads((t / "meta.json").read_text())
+    for k in ("checksums", "file_checksums", "records", "shards", "finished", "tokens", "unfinished_calls"):
+        meta.pop(k, None)
+    meta.update(status="running", complete=False, error=None)
+    (t / "meta.json").write_text(json.dumps(meta))
+    sums = [json.loads(x) for x in (t / "checksums.jsonl").read_text().splitlines()]
+    keep = sums[: len(sums) // 2]
+    (t / "checksums.jsonl").write_text("".join(json.dumps({"records": d["records"], "sha256": d["sha256"]}) + "\n"
+                                               for d in keep))
+    with open(t / "records.jsonl", "r+b") as f:
+        f.truncate(keep[-1]["records"])
+    cut = Trace(t)
+    grids = [json.loads(x)["c"] for x in (t / "tokens.jsonl").read_text().splitlines() if x.startswith('{"c"')]
+    assert any(c not in cut.calls for c in grids)  # token lines ahead of the records, as a kill left them
+    assert set(cut.token_index().grids) == {c for c in grids if c in cut.calls}
+    for ref in (runs["rollout"], runs["train"]):
+        for a, b in ((ref, t), (t, ref)):
+            code, out, err = cli("bisect", a, b, "--json")
+            assert "internal error" not in err, err
+            r = json.loads(out)
+            assert code == 3 and r["verdict"] == "inconclusive", (ref.name, code, r["reason"])
+            assert sum("token files written before divtrace checked them" in w for w in r["warnings"]) == 1
