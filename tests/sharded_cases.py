@@ -279,8 +279,9 @@ def parallel_mlp_worker(rank, world, root):
     with torch.no_grad(), divtrace.record(rep, os.path.join(root, "replicas"), mode="hash"):
         rep(x)
     colls = Collectives()
-    with torch.no_grad(), divtrace.record(colls, os.path.join(root, "collectives"), mode="full"):
-        got = colls(torch.arange(8.0) + 10 * rank)
+    for again in (False, True):  # recorded again over the first (overwrite): its layouts replace the first's
+        with torch.no_grad(), divtrace.record(colls, os.path.join(root, "collectives"), mode="full", overwrite=again):
+            got = colls(torch.arange(8.0) + 10 * rank)
     refused = None
     one = os.path.join(root, f"one-trace-{rank}")  # a directory that holds one (single-process) trace
     os.makedirs(one)

@@ -63,7 +63,7 @@ def test_dtensor_values_record_their_placements(run):
     from divtrace.trace.layouts import read_layouts
 
     root, _, _ = run
-    lays = read_layouts(root / "tp2" / "hash" / "rank-1")
+    lays = read_layouts(divtrace.open_trace(root / "tp2" / "hash" / "rank-1"))
     kinds = {(tuple(v.placements), v.src) for v in lays.values.values()}
     assert (("S0",), "dtensor") in kinds or (("S0",), "param") in kinds  # the colwise weight, rows split
     assert any(p == ("P",) for p, _ in kinds)  # the rowwise matmul's partial sums
@@ -90,7 +90,8 @@ def test_recording_into_a_directory_holding_one_trace_is_refused(run):
 def test_collectives_are_ops_with_their_group_order_and_results(run):
     """reduce_scatter, all_to_all, all_gather (c10d) and a functional all_reduce: each an op record whose outputs
     are what the collective gave (waited for where recorded), with its kind, group and order; a reduce_scatter's
-    blocks put together are the reduced value."""
+    blocks put together are the reduced value. (Recorded twice, the second with overwrite: its layouts.jsonl
+    replaces the first's, under the new recording's checksums.)"""
     from divtrace.align.shards import open_side
     from divtrace.trace.hashing.tensor import tensor_hash
     from divtrace.trace.layouts import read_layouts
@@ -100,7 +101,7 @@ def test_collectives_are_ops_with_their_group_order_and_results(run):
     run_dir = root / "tp2" / "collectives"
     for rank in (0, 1):
         t = divtrace.open_trace(run_dir / f"rank-{rank}")
-        lays = read_layouts(run_dir / f"rank-{rank}")
+        lays = read_layouts(t)
         seen = sorted(lays.collectives.values(), key=lambda c: c.index)
         assert [c.kind for c in seen] == ["reduce_scatter", "all_to_all", "all_gather", "all_reduce"]
         assert [c.seq for c in seen] == [0, 1, 2, 3] and all(lays.meshes[c.mesh].ranks == [0, 1] for c in seen)
@@ -110,7 +111,79 @@ def test_collectives_are_ops_with_their_group_order_and_results(run):
         assert [bits_equal(t.tensor(v), p) for v, p in zip(by_kind["all_gather"], outs[rank]["gathered"].chunk(2))] \
             == [True, True]
     view = open_side(run_dir)
-    rs_vid = view.rout[next(c.index for c in read_layouts(run_dir / "rank-0").collectives.values()
+    rs_vid = view.rout[next(c.index for c in view.run.layouts[0].collectives.values()
                             if c.kind == "reduce_scatter")][0]
     whole = torch.cat([outs[0]["rs"], outs[1]["rs"]])
     assert view.vkey[rs_vid][1:] == (tuple(whole.shape), tensor_hash(whole))
+
+
+def test_layouts_are_written_under_the_traces_checksums(run, tmp_path):
+    """layouts.jsonl goes out with the records, under their checksums, and is read as untrusted: edited afterwards,
+    cut short, or holding a line that is not a layout line, the run is a damaged trace (exit 2, one line naming the
+    file), never unsharded from layouts the recording did not write. A killed recording's layouts are cut back to
+    what its last checkpoint vouches for (lines a kill left beyond it are not read)."""
+    import json
+    import shutil
+
+    from divtrace.trace.layouts import LAYOUTS, read_layouts
+    from test_trace_fixtures import cli, edit_meta
+
+    root, _, _ = run
+    src = root / "tp2" / "hash"
+    whole = read_layouts(divtrace.open_trace(src / "rank-1"))
+    assert whole.values and whole.collectives
+
+    def copy(name):
+        shutil.copytree(src, tmp_path / name)
+        return tmp_path / name, tmp_path / name / "rank-1" / LAYOUTS
+
+    def damaged(run_dir, *needles):
+        with pytest.raises(divtrace.DivtraceError, match="damaged trace: .*layouts.jsonl") as e:
+            divtrace.open_trace(run_dir)
+        code, _, err = cli("show", run_dir)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert all(n in str(e.value) and n in err for n in needles), (str(e.value), err)
+
+    run_dir, path = copy("edited")
+    meta = json.loads((run_dir / "rank-1" / "meta.json").read_text())
+    assert meta["file_checksums"][LAYOUTS]["bytes"] == path.stat().st_size
+    path.write_text(path.read_text().replace('"S0"', '"S1"', 1))
+    damaged(run_dir, "sha256")
+
+    run_dir, path = copy("cut")
+    path.write_bytes(path.read_bytes()[:-10])
+    damaged(run_dir, "truncated")
+
+    # A killed recording: meta.json as it stands while the run is on (no final checksums), and bytes a kill left
+    # after the last checkpoint (a torn half line) are cut back; the layouts read are the whole run's.
+    run_dir, path = copy("killed")
+    rank = run_dir / "rank-1"
+    edit_meta(rank, status="running", complete=False, checksums=None, records=None, shards=None,
+              file_checksums={n: None for n in meta["file_checksums"]})
+    path.write_bytes(path.read_bytes() + b'{"v": 99, "M": 0, "p": ["S')
+    got = read_layouts(divtrace.open_trace(rank))
+    assert got == whole
+    path.write_bytes(path.read_bytes()[:-40])  # less than the checkpoint vouches for: damaged, not cut back
+    damaged(run_dir, "truncated")
+
+
+def test_a_layout_line_that_is_not_one_is_a_damaged_trace(tmp_path):
+    """Read as untrusted (here a trace with no checksums over the file): every line must be a whole layout, mesh or
+    collective line; a malformed one is named by its line, never skipped or read as the end of the file."""
+    import json
+    from types import SimpleNamespace
+
+    from divtrace.trace.layouts import LAYOUTS, read_layouts
+
+    good = [{"M": 0, "shape": [2], "dims": ["tp"], "ranks": [0, 1]},
+            {"v": 3, "M": 0, "p": ["S1"], "g": [4, 8], "o": [0, 4], "src": "dtensor", "h": "0" * 32}]
+    bad = [{"v": 4, "M": 0, "p": ["Q"], "g": [4], "o": [0]}, {"c": 5, "kind": "all_reduce", "M": 0, "seq": "0"},
+           {"M": 1, "shape": [2], "dims": ["tp"], "ranks": [0]}, [1, 2], {"x": 1}]
+    trace = SimpleNamespace(path=tmp_path, meta={"complete": True}, file_sums=None)
+    for line in bad:
+        (tmp_path / LAYOUTS).write_text("\n".join(json.dumps(x) for x in [*good, line]) + "\n")
+        with pytest.raises(divtrace.DivtraceError, match=f"damaged trace: .*{LAYOUTS}:3: "):
+            read_layouts(trace)
+    (tmp_path / LAYOUTS).write_text("\n".join(json.dumps(x) for x in good) + "\n{not json\n")
+    with pytest.raises(divtrace.DivtraceError, match=f"{LAYOUTS}:3: corrupt line"):
+        read_layouts(trace)

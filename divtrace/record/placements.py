@@ -41,11 +41,10 @@ def _placement_code(p, ndim: int) -> str | None:
 class Placements:
     """The layouts of one rank's recording (one per Recorder inside a process group)."""
 
-    def __init__(self, model, trace_path, warnings_out: list):
+    def __init__(self, model, writer, warnings_out: list):
         self.model = model
         self.warnings = warnings_out
-        self.out = LayoutWriter(trace_path)
-        self.writer = None  # the TraceWriter (its flushes pace ours)
+        self.out = LayoutWriter(writer)  # (written with the trace's records: trace/side_files.py)
         self.by_vid: dict[int, Lay] = {}
         self.pending: dict[int, Lay] = {}  # id(tensor about to get a vid) -> its layout
         self.row_partials: set[int] = set()  # ids of tensors whose rows were fingerprinted as partials
@@ -53,7 +52,6 @@ class Placements:
         self._mesh_of: dict[int, int] = {}  # id(DeviceMesh) -> mesh id
         self._params: dict[tuple, Lay] = {}  # storage key of a DTensor parameter's local tensor -> its layout
         self._styles: dict[int, tuple] = {}  # id(module) -> (kind, mesh id, in layout fn, out layout fn)
-        self._flushed_at = 0
         self._scan(model)
 
     # -- meshes -------------------------------------------------------------------------------------------------
@@ -231,31 +229,9 @@ class Placements:
                 return
         self.out.add(Layout(vid, lay.mesh, list(lay.placements), list(lay.gshape), list(lay.offsets), lay.src,
                             partial, id(t) in self.row_partials, lay.why).to_json())
-        self._pace()
 
     def add_line(self, line: dict) -> None:
         self.out.add(line)
-        self._pace()
-
-    def _pace(self) -> None:
-        """Write our lines whenever the trace's records were flushed since (a crash then loses no more of ours)."""
-        w = self.writer
-        if w is not None and w.n_written != self._flushed_at:
-            self._flushed_at = w.n_written
-            self.flush()
-
-    def flush(self) -> None:
-        try:
-            self.out.flush()
-        except OSError as e:
-            self._warn(f"shard layouts could not be written ({e.strerror or e}): values after this point are "
-                       "compared as the ranks' own")
-
-    def close(self) -> None:
-        try:
-            self.out.close()
-        except OSError as e:
-            self._warn(f"shard layouts could not be written: {e.strerror or e}")
 
     def _warn(self, msg: str) -> None:
         if msg not in self.warnings and len(self.warnings) < 100:

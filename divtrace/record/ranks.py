@@ -65,8 +65,7 @@ def attach(recorder, info: RankInfo):
     from divtrace.record.collectives import Collectives
     from divtrace.record.placements import Placements
 
-    pl = Placements(recorder.model, recorder.writer.path, recorder.warnings)
-    pl.writer = recorder.writer
+    pl = Placements(recorder.model, recorder.writer, recorder.warnings)
     recorder.calls.placements = recorder.op_records.placements = pl
     recorder.op_records.collectives = Collectives(pl, info.rank)
     recorder.token_rows.shard_rows = pl.shard_rows
@@ -92,6 +91,5 @@ def closing_meta(info: RankInfo, placements) -> dict:
 
             gc.unfreeze()
             placements.froze_gc = False
-        placements.close()
         d["meshes"] = placements.meshes
     return d

@@ -33,6 +33,7 @@ from divtrace.record.token_rows import TokenRows
 from divtrace.record.values import ValueIdentity
 from divtrace.trace.derived_views import VIEW_KEY
 from divtrace.trace.writer import TraceWriter
+from divtrace.trace.layouts import LAYOUTS
 from divtrace.trace.token_store import TOKEN_FILES
 
 
@@ -101,7 +102,9 @@ class Recorder:
         meta["settings"].update(self._session.settings())
         self.writer = TraceWriter(self.path, mode=self.mode, meta=meta, overwrite=self._overwrite,
                                   shard_bytes=self._shard_bytes, flush_records=self._flush_records,
-                                  durable=self._durable, checksummed_files=TOKEN_FILES if self.token_rows.on else ())
+                                  durable=self._durable,
+                                  checksummed_files=(TOKEN_FILES if self.token_rows.on else ())
+                                  + ((LAYOUTS,) if self.rank is not None else ()))
         self.calls.writer = self.values.writer = self.op_records.writer = self.writer
         self.token_rows.open(self.writer)
         if self.rank is not None:

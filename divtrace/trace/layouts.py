@@ -19,16 +19,15 @@ docs/sharded.md); read by divtrace.trace.run and unsharded by divtrace.align.sha
   record: its kind, the group it ran on (as a mesh), and its place among the collectives this rank ran on that
   group (`seq`, from 0).
 
-Lines are appended as the recording goes (with the first layout after each flush of the trace's records, and
-at close); a line cut by a crash ends what is read, and lines about values or records the trace does not hold
-are ignored.
+Lines are written with the trace's records, under the same checksums (divtrace.trace.side_files: meta.json's
+`file_checksums` names the file), so a killed recording leaves lines only for records that reached the disk; a
+reader cuts the file back to what the checksums vouch for and takes nothing in it on trust (a line that is not
+whole and well formed is a damaged trace). Lines about values or records the trace does not hold are ignored.
 """
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 LAYOUTS = "layouts.jsonl"
 PLACEMENT_KINDS = ("S", "R", "P")
@@ -130,76 +129,94 @@ class RankLayouts:
 
 def _valid_layout(d: dict) -> bool:
     p, g, o = d.get("p"), d.get("g"), d.get("o")
-    return (isinstance(d.get("v"), int) and isinstance(d.get("M"), int) and isinstance(p, list) and p
-            and all(isinstance(x, str) and x[:1] in PLACEMENT_KINDS for x in p)
-            and isinstance(g, list) and isinstance(o, list) and len(g) == len(o)
-            and all(isinstance(x, int) and x >= 0 for x in g + o))
+    return bool(_is_int(d.get("v")) and _is_int(d.get("M")) and isinstance(p, list) and p
+                and all(isinstance(x, str) and x[:1] in PLACEMENT_KINDS for x in p)
+                and isinstance(g, list) and isinstance(o, list) and len(g) == len(o)
+                and all(_is_int(x) and x >= 0 for x in g + o))
 
 
-def read_layouts(trace_path) -> RankLayouts:
-    """The layouts.jsonl of one rank's trace (empty when there is none). A line cut by a crash, or one that is not
-    a layout line, ends what is read (the lines before it stand)."""
+def read_layouts(trace) -> RankLayouts:
+    """The layouts.jsonl of one rank's trace (a Trace; empty when there is none), read as untrusted: the bytes
+    against the trace's checksums, cut back to what they vouch for (a killed recording), and every line a whole
+    layout, mesh or collective line. A file that does not match its checksums, or a line that is not one of
+    these, is a damaged trace: DivtraceError naming the file (and the line). A trace written without these
+    checksums (none on disk vouches for the file) has a torn last line of a killed recording cut off."""
+    from divtrace.errors import DivtraceError
+    from divtrace.trace.token_checks import cut_torn_line, json_lines, read_files
+
     out = RankLayouts()
-    try:
-        data = (Path(trace_path) / LAYOUTS).read_bytes()
-    except (FileNotFoundError, NotADirectoryError):
-        return out
-    except OSError as e:
-        from divtrace.errors import DivtraceError
-
-        raise DivtraceError(f"{Path(trace_path) / LAYOUTS}: cannot read the shard layouts: {e.strerror or e}") from None
-    for line in data.split(b"\n"):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except ValueError:
-            break
-        if not isinstance(d, dict):
-            break
-        if "v" in d:
-            if not _valid_layout(d):
-                break
-            out.values.setdefault(d["v"], Layout(d["v"], d["M"], d["p"], d["g"], d["o"], str(d.get("src", "?")),
-                                                 d.get("h"), bool(d.get("rp")), d.get("why")))
-        elif "c" in d:
-            try:
-                out.collectives[d["c"]] = Collective(int(d["c"]), str(d["kind"]), str(d["group"]), int(d["M"]),
-                                                     int(d["seq"]), d.get("op"))
-            except (KeyError, TypeError, ValueError):
-                break
-        elif "M" in d:
-            try:
-                out.meshes[int(d["M"])] = Mesh(int(d["M"]), list(d["shape"]), list(d["dims"]), list(d["ranks"]),
-                                               d.get("group"))
-            except (KeyError, TypeError, ValueError):
-                break
-        else:
-            break
+    data, bad, verified = read_files(trace, (LAYOUTS,))
+    if bad:
+        raise DivtraceError(f"damaged trace: {bad[LAYOUTS]}")
+    data = data[LAYOUTS]
+    if not verified and not trace.meta.get("complete"):
+        data = cut_torn_line(data)
+    where = trace.path / LAYOUTS
+    for n, d in json_lines(data, where):
+        what = _read_line(d, out)
+        if what is not None:
+            raise DivtraceError(f"damaged trace: {where}:{n}: {what}")
     return out
 
 
-class LayoutWriter:
-    """Appends layout lines to a rank's layouts.jsonl: buffered, written whole lines at a time (a crash leaves at
-    most a cut last line). Opened (truncated) at the start of the recording."""
+def _read_line(d, out: RankLayouts) -> str | None:
+    """Add one parsed line to `out`; what is wrong with it, or None."""
+    if not isinstance(d, dict):
+        return "not a layout line (a JSON object)"
+    if "v" in d:
+        if not _valid_layout(d):
+            return "a value's layout whose vid, mesh, placements, global shape or offsets are malformed"
+        h, why = d.get("h"), d.get("why")
+        if not (h is None or isinstance(h, str)) or not (why is None or isinstance(why, str)):
+            return f"the layout of value {d['v']} has a malformed partial fingerprint or reason"
+        out.values.setdefault(d["v"], Layout(d["v"], d["M"], d["p"], d["g"], d["o"], str(d.get("src", "?")),
+                                             h, bool(d.get("rp")), why))
+    elif "c" in d:
+        if not (all(_is_int(d.get(k)) for k in ("c", "M", "seq")) and isinstance(d.get("kind"), str)
+                and isinstance(d.get("group"), str) and (d.get("op") is None or isinstance(d["op"], str))):
+            return "a collective line whose record, kind, group, mesh, order or op is malformed"
+        out.collectives[d["c"]] = Collective(d["c"], d["kind"], d["group"], d["M"], d["seq"], d.get("op"))
+    elif "M" in d:
+        shape, dims, ranks = d.get("shape"), d.get("dims"), d.get("ranks")
+        if not (_is_int(d["M"]) and isinstance(shape, list) and isinstance(dims, list) and isinstance(ranks, list)
+                and all(_is_int(x) and x > 0 for x in shape) and len(dims) == len(shape)
+                and all(x is None or isinstance(x, str) for x in dims)
+                and all(_is_int(x) and x >= 0 for x in ranks) and len(ranks) == _prod(shape)
+                and (d.get("group") is None or isinstance(d["group"], str))):
+            return "a mesh line whose shape, dim names or ranks are malformed"
+        out.meshes[d["M"]] = Mesh(d["M"], shape, dims, ranks, d.get("group"))
+    else:
+        return "not a layout, mesh or collective line"
+    return None
 
-    def __init__(self, trace_path) -> None:
-        self.path = Path(trace_path) / LAYOUTS
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-        self._lines: list[str] = []
-        self.failed = False
+
+def _is_int(x) -> bool:
+    return type(x) is int
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+class LayoutWriter:
+    """Queues a rank's layout lines and hands them to the trace writer's checksummed files before each flush of its
+    records (so layouts.jsonl is written in step with records.jsonl, under its checksums: trace/side_files.py)."""
+
+    def __init__(self, writer) -> None:
+        self.files = writer.files
+        self._lines: list[dict] = []
+        writer.before_flush.append(self.hand_over)
 
     def add(self, line: dict) -> None:
-        """Queue a line. Its `h` may still be an int64 [2] tensor on a device: read to the host at the next flush,
+        """Queue a line. Its `h` may still be an int64 [2] tensor on a device: read to the host when handed over,
         all of them in one read (a partial fingerprint taken on a GPU never makes the host wait where it is taken)."""
         self._lines.append(line)
 
-    @property
-    def buffered(self) -> int:
-        return len(self._lines)
-
-    def flush(self) -> None:
-        if not self._lines or self.failed:
+    def hand_over(self) -> None:
+        if not self._lines or self.files is None:
             return
         pending = [d for d in self._lines if "h" in d and not isinstance(d["h"], str)]
         if pending:
@@ -211,14 +228,4 @@ class LayoutWriter:
                 d["h"] = h
         data = ("\n".join(json.dumps(d, separators=(",", ":")) for d in self._lines) + "\n").encode()
         self._lines.clear()
-        try:
-            os.write(self._fd, data)
-        except OSError:
-            self.failed = True  # the trace's own writer reports the disk; the layouts stop here
-            raise
-
-    def close(self) -> None:
-        try:
-            self.flush()
-        finally:
-            os.close(self._fd)
+        self.files.add(LAYOUTS, data)

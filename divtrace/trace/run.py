@@ -78,7 +78,7 @@ class RunDir:
         if extra:
             raise DivtraceError(f"{self.path}: rank-{extra[0]} lies outside the run's world of {self.world_size}")
         self.traces = {r: Trace(d) for r, d in sorted(dirs.items())}
-        self.layouts: dict[int, RankLayouts] = {r: read_layouts(d) for r, d in sorted(dirs.items())}
+        self.layouts: dict[int, RankLayouts] = {r: read_layouts(t) for r, t in self.traces.items()}
         self.missing = [r for r in range(self.world_size) if r not in self.traces]
         modes = {t.mode for t in self.traces.values()}
         schemes = {t.hash_scheme for t in self.traces.values()}

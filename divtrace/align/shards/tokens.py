@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from divtrace.trace import token_layout as layout
-from divtrace.trace.token_store import TokenIndex
 
 
 class RunTokenIndex:
@@ -22,7 +21,7 @@ class RunTokenIndex:
 
         self.path = view.path
         self.grids, self.first_ids, self.index = {}, {}, {}
-        idx = {r: TokenIndex(t.path) for r, t in view.run.traces.items()}
+        idx = {r: t.token_index() for r, t in view.run.traces.items()}
         chunks, size, seq_base, root_base = [], 0, 0, 0
         for s in view.segments:
             ti = idx[s.rank]
