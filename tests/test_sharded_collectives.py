@@ -12,6 +12,8 @@ from sharded_cases import bits_equal, capture_mlp, mlp, parallel_mlp_worker, tru
 
 import pytest
 
+pytestmark = pytest.mark.gloo  # multi-process (gloo, 2 ranks): .ci/run's stage of their own
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):

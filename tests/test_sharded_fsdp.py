@@ -14,6 +14,8 @@ from dist_harness import run_ranks  # noqa: E402
 from sharded_cases import (FSDP_IDS, bits_equal, capture, fsdp_worker, scale_q_proj, tiny_llama,  # noqa: E402
                            truth_origin)
 
+pytestmark = pytest.mark.gloo  # multi-process (gloo, 2 ranks): .ci/run's stage of their own
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

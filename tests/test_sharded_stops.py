@@ -16,6 +16,8 @@ import divtrace  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
 from sharded_cases import single, stopped_worker, tiny_llama  # noqa: E402
 
+pytestmark = pytest.mark.gloo  # multi-process (gloo, 2 ranks): .ci/run's stage of their own
+
 KILLS = [("after", "model.layers.1"), ("before", "model.layers.0.self_attn")]
 
 

@@ -13,6 +13,8 @@ import divtrace  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
 from sharded_cases import bits_equal, single, tiny_llama, tp_worker, truth_origin  # noqa: E402
 
+pytestmark = pytest.mark.gloo  # multi-process (gloo, 2 ranks): .ci/run's stage of their own
+
 CASES = [("fp32-full", "float32", "full", False), ("fp32-hash", "float32", "hash", False),
          ("bf16-full", "bfloat16", "full", False), ("bf16-hash", "bfloat16", "hash", False),
          ("plant-full", "float32", "full", True), ("plant-hash", "float32", "hash", True)]
