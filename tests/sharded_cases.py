@@ -182,8 +182,10 @@ def fsdp_worker(rank, world, model_dir, root, modes, dtype="float32"):
             m(torch.tensor(ids))
     caps, order = capture(m, ids)
     scale_q_proj(m, 1.0 + 2.0 ** -20 if rank == world - 1 else 1.0)  # planted in the last rank's sequence only
-    with torch.no_grad(), divtrace.record(m, os.path.join(root, "plant"), mode="full"):
-        m(torch.tensor(ids))
+    for mode in ("full", "hash"):
+        with torch.no_grad(), divtrace.record(m, os.path.join(root, "plant" if mode == "full" else "plant-hash"),
+                                              mode=mode):
+            m(torch.tensor(ids))
     return {k: tuple(None if t is None else t.clone() for t in v) for k, v in caps.items()}, order
 
 

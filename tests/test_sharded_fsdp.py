@@ -34,8 +34,10 @@ def runs(tmp_path_factory):
                 m(torch.tensor(ids))
         one = capture(m, ids)
         scale_q_proj(m, 1.0)
-        with torch.no_grad(), divtrace.record(m, str(root / "one" / "plant"), mode="full"):
-            m(torch.tensor(ids))
+        for mode in ("full", "hash"):
+            with torch.no_grad(), divtrace.record(m, str(root / "one" / ("plant" if mode == "full" else "plant-hash")),
+                                                  mode=mode):
+                m(torch.tensor(ids))
     finally:
         torch.set_num_threads(threads)
     return root, ranks, one
@@ -90,7 +92,7 @@ def test_data_parallel_run_refuses_call_alignment(runs):
 
 
 def test_a_difference_in_one_ranks_sequence_is_found_and_reproduced_from_that_rank(runs, tmp_path):
-    """Planted in rank 1's forward only: bisect finds it for rank 1's tokens, and the repro is the ordinary one of
+    """Planted in rank 1's forward only: bisect finds it for rank 1's tokens (hash mode as full mode), and the repro is the ordinary one of
     rank 1's trace against the one process (each side at its own batch, the token's row compared)."""
     import json
 
@@ -102,6 +104,9 @@ def test_a_difference_in_one_ranks_sequence_is_found_and_reproduced_from_that_ra
     assert r.verdict == "diverged" and r.first.module == "model.layers.0.self_attn.q_proj", d["first"]
     assert r.first.op == "aten.mul.Tensor"
     assert d["first"]["token"]["seq"]["first_ids"][:3] == FSDP_IDS[1][0][:3]
+    h = divtrace.bisect(str(root / "fsdp2" / "plant-hash"), str(root / "one" / "plant-hash"))
+    assert h.verdict == "diverged" and (h.first.module, h.first.op) == (r.first.module, r.first.op)  # hash = full
+    assert h.to_dict()["first"]["token"] == d["first"]["token"], (h.to_dict()["first"], d["first"])
     res = write_repro(str(root / "fsdp2" / "plant"), str(root / "one" / "plant"), tmp_path / "repro")
     assert res.ok, res.fidelity
     m = json.loads((tmp_path / "repro" / "manifest.json").read_text())
