@@ -85,6 +85,20 @@ def test_read_layouts_stops_at_a_cut_line(tmp_path):
     assert got.meshes[0].coords(1) == (1,)
 
 
+def test_a_transposed_block_is_fingerprinted_from_a_copy_with_the_same_partial():
+    """The recorder copies a transposed weight block before taking its partial (faster to read); the partial is
+    the one of the view read in place, and small or untransposed blocks are read as they are."""
+    from divtrace.record.placements import _readable
+    from divtrace.trace.hashing.tensor import tensor_partial
+
+    w = torch.randn(688, 512, generator=torch.Generator().manual_seed(3))
+    x = w.t()  # rank 1's block of a [512, 1376] global value, columns 688..1375
+    copy = _readable(x)
+    assert copy.is_contiguous() and copy.data_ptr() != x.data_ptr() and torch.equal(copy, x)
+    assert torch.equal(tensor_partial(copy, (512, 1376), (0, 688)), tensor_partial(x, (512, 1376), (0, 688)))
+    assert _readable(w) is w and _readable(x[:8, :8]) is not None and _readable(x[:8, :8]).data_ptr() == w.data_ptr()
+
+
 # -- run directories from rank traces -------------------------------------------------------------------------
 def _record_rank(run, rank, world, model, x, **dist):
     with torch.no_grad(), divtrace.record(model, run / f"rank-{rank}", mode="hash",
