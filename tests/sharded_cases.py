@@ -343,7 +343,8 @@ def capture_mlp(m, x):
 
 
 def Collectives():
-    """A module whose forward runs c10d's reduce_scatter, all_to_all and all_gather and a functional all_reduce."""
+    """A module whose forward runs c10d's reduce_scatter, all_to_all and all_gather, a functional all_reduce (a sum)
+    and a c10d all_reduce (a max)."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as fc
@@ -358,5 +359,7 @@ def Collectives():
             parts = [torch.empty_like(rs) for _ in range(world)]
             dist.all_gather(parts, rs * 2)
             ar = fc.all_reduce(x * 3, "sum", dist.group.WORLD)
-            return {"rs": rs, "a2a": a2a, "gathered": torch.cat(parts), "ar": ar + 0}
+            mx = x * 4
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+            return {"rs": rs, "a2a": a2a, "gathered": torch.cat(parts), "ar": ar + 0, "mx": mx + 0}
     return C()

@@ -90,9 +90,10 @@ def test_recording_into_a_directory_holding_one_trace_is_refused(run):
 
 
 def test_collectives_are_ops_with_their_group_order_and_results(run):
-    """reduce_scatter, all_to_all, all_gather (c10d) and a functional all_reduce: each an op record whose outputs
-    are what the collective gave (waited for where recorded), with its kind, group and order; a reduce_scatter's
-    blocks put together are the reduced value. (Recorded twice, the second with overwrite: its layouts.jsonl
+    """reduce_scatter, all_to_all, all_gather, all_reduce (c10d) and a functional all_reduce: each an op record
+    whose outputs are what the collective gave (waited for where recorded), with its kind, group, order and
+    reduction (c10d's ReduceOp read as the functional one's name); a reduce_scatter's blocks put together are the
+    reduced value. (Recorded twice, the second with overwrite: its layouts.jsonl
     replaces the first's, under the new recording's checksums.)"""
     from divtrace.align.shards import open_side
     from divtrace.trace.hashing.tensor import tensor_hash
@@ -105,9 +106,11 @@ def test_collectives_are_ops_with_their_group_order_and_results(run):
         t = divtrace.open_trace(run_dir / f"rank-{rank}")
         lays = read_layouts(t)
         seen = sorted(lays.collectives.values(), key=lambda c: c.index)
-        assert [c.kind for c in seen] == ["reduce_scatter", "all_to_all", "all_gather", "all_reduce"]
-        assert [c.seq for c in seen] == [0, 1, 2, 3] and all(lays.meshes[c.mesh].ranks == [0, 1] for c in seen)
-        by_kind = {c.kind: t.rout[c.index] for c in seen}
+        assert [c.kind for c in seen] == ["reduce_scatter", "all_to_all", "all_gather", "all_reduce", "all_reduce"]
+        assert [c.op for c in seen] == ["sum", None, None, "sum", "max"]  # c10d's ReduceOp read, as the functional's
+        assert [c.seq for c in seen] == [0, 1, 2, 3, 4] and all(lays.meshes[c.mesh].ranks == [0, 1] for c in seen)
+        assert bits_equal(t.tensor(t.rout[seen[4].index][0]), outs[rank]["mx"])
+        by_kind = {c.kind: t.rout[c.index] for c in seen[:4]}
         assert bits_equal(t.tensor(by_kind["reduce_scatter"][0]), outs[rank]["rs"])
         assert bits_equal(t.tensor(by_kind["all_to_all"][0]), outs[rank]["a2a"])
         assert [bits_equal(t.tensor(v), p) for v, p in zip(by_kind["all_gather"], outs[rank]["gathered"].chunk(2))] \

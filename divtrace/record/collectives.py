@@ -90,9 +90,25 @@ def group_of(func, args) -> tuple[str, list[int]] | None:
         return None
 
 
+# c10d's ReduceOp.RedOpType values, named as the functional collectives name them
+_REDUCE_OPS = {0: "sum", 1: "avg", 2: "product", 3: "min", 4: "max", 5: "band", 6: "bor", 7: "bxor", 8: "premul_sum"}
+
+
 def reduce_op(func, args) -> str | None:
+    """The reduction a collective applies: the functional ones' string, c10d's ReduceOp (a TorchScript object
+    among the op's arguments; "?" when it cannot be read, so a repro never takes it for a sum). None where the op
+    reduces nothing."""
     if func.namespace == "_c10d_functional" and len(args) > 1 and isinstance(args[1], str):
         return args[1]
+    if func.namespace == "c10d":
+        import torch
+
+        for a in args:
+            if isinstance(a, torch.ScriptObject) and "ReduceOp" in str(a._type()):
+                try:
+                    return _REDUCE_OPS.get(int(a.op()), "?")
+                except Exception:
+                    return "?"
     return None
 
 
