@@ -144,8 +144,9 @@ def tp_worker(rank, world, model_dir, root, cases):
     return truth if rank == 0 else None
 
 
-def single(model_dir, out, dtype: str, mode: str, plant: bool = False):
-    """The one-process run of the same model: recorded into `out`; its captures returned."""
+def single(model_dir, out, dtype: str, mode: str, plant: bool = False, ids=None):
+    """The one-process run of the same model (on `ids`, IDS by default): recorded into `out`; its captures
+    returned."""
     import torch
 
     import divtrace
@@ -154,9 +155,10 @@ def single(model_dir, out, dtype: str, mode: str, plant: bool = False):
     m = LlamaForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     if plant:
         scale_q_proj(m, 1.0)
+    ids = IDS if ids is None else ids
     with torch.no_grad(), divtrace.record(m, out, mode=mode):
-        m(torch.tensor(IDS))
-    return capture(m, IDS)
+        m(torch.tensor(ids))
+    return capture(m, ids)
 
 
 FSDP_IDS = [[[1, 5, 9, 3, 7, 2, 11, 4]], [[8, 6, 2, 14, 3, 9, 1, 12]]]  # one sequence per rank

@@ -11,7 +11,7 @@ pytest.importorskip("accelerate")  # HF's TP plan (from_pretrained(tp_plan=...))
 
 import divtrace  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
-from sharded_cases import bits_equal, single, tiny_llama, tp_worker, truth_origin  # noqa: E402
+from sharded_cases import IDS, bits_equal, single, tiny_llama, tp_worker, truth_origin  # noqa: E402
 
 pytestmark = pytest.mark.gloo  # multi-process (gloo, 2 ranks): .ci/run's stage of their own
 
@@ -30,6 +30,7 @@ def runs(tmp_path_factory):
     try:
         singles = {name: single(model, str(root / "tp1" / name), dtype, mode, plant)
                    for name, dtype, mode, plant in CASES}
+        single(model, str(root / "tp1" / "plant-first-seq"), "float32", "full", True, ids=IDS[:1])  # another batch
     finally:
         torch.set_num_threads(threads)
     return root, truth, singles
@@ -154,3 +155,33 @@ def test_repro_runs_each_sides_shards_on_simulated_ranks(runs, tmp_path, name):
                    f"r = importlib.util.module_from_spec(spec); spec.loader.exec_module(r)\n"
                    f"def like_b({params}):\n    return r.side_b({params})\n")
     assert verify_repro(out, patch=f"{fix}:like_b", side="a", trials=2).passed
+
+
+def test_repro_of_a_token_aligned_divergence_runs_each_side_at_its_own_batch(runs, tmp_path):
+    """TP=2 on two sequences against one process that ran only the first: bisect pairs their tokens and finds the
+    planted op; the repro runs side a's region on its 2 simulated ranks at its batch of 2 and side b at its batch
+    of 1, each returning the token's row of its global output: both reproduce their recorded rows bit for bit,
+    and the script fails while they differ."""
+    import json
+    import subprocess
+    import sys
+
+    from divtrace.repro.writer import write_repro
+
+    root, _, _ = runs
+    a, b = root / "tp2" / "plant-full", root / "tp1" / "plant-first-seq"
+    r = divtrace.bisect(str(a), str(b))
+    d = r.to_dict()
+    assert d["alignment"] == "tokens" and r.verdict == "diverged", d
+    assert (r.first.module, r.first.op) == ("model.layers.0.self_attn.q_proj", "aten.mul.Tensor"), d["first"]
+    out = tmp_path / "repro"
+    res = write_repro(str(a), str(b), out)
+    assert res.ok, res.fidelity
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["ranks"] == {"a": [0, 1], "b": []} and set(m["token_rows"]) == {"a", "b"}
+    assert m["token_rows"]["a"][0] == m["token_rows"]["b"][0] == 0  # the first sequence on both sides
+    src = (out / "repro.py").read_text()
+    assert "(rank 1)" in src and "the token's row" in src and "torch.distributed" not in src
+    assert [i["shape"][0] for i in m["inputs"]] == [2, 2, 1]  # each side's region at its own batch
+    p = subprocess.run([sys.executable, str(out / "repro.py")], capture_output=True, text=True)
+    assert p.returncode == 1, p.stdout + p.stderr

@@ -29,8 +29,10 @@ _IDENTITY = {"wait_tensor", "_wrap_tensor_autograd"}
 class RankedSide:
     """One side's region: its ranks (rank, trace) and record indices, leaves per rank, the output per rank."""
 
-    def __init__(self, letter: str, t, region: list[int]):
+    def __init__(self, letter: str, t, region: list[int], row_index: list | None = None):
         self.letter, self.view, self.ops = letter, t, sorted(region)
+        self.row_index = row_index  # token alignment: the token's row of the (global) output; None: all of it
+        self.flat_row = False  # rows of another shape on the other side: compared flat
         run = getattr(t, "run", None)
         if run is not None:
             g = t.groups[0]
@@ -152,24 +154,44 @@ def gen_ranked_side(side: RankedSide, params: list[str], names: dict) -> SideCod
 
 
 def _assemble(side: RankedSide, refs: dict) -> list[str]:
-    """The return statement: the global value from the ranks' outputs."""
+    """The return statement: the global value from the ranks' outputs (token alignment: the token's row of it)."""
     rep_rank, _ = side.ranks[0]
     if rep_rank is None:
-        return [f"    return {refs[None][side.output]}"]
+        return [f"    return {refs[None][side.output]}{_row(side)}"]
     vp = side.view.groups[0].values[side.output]
     if vp.kind != "blocks":
-        return [f"    return {refs[rep_rank][side.output]}  # the same on every rank"]
+        return [f"    return {refs[rep_rank][side.output]}{_row(side)}  # the same on every rank"]
     out = [f"    out = torch.empty({list(vp.gshape)}, dtype={refs[rep_rank][side.output]}.dtype)  # the global value"]
     for r, q, off in vp.blocks:
         local = refs[r][q]
         idx = ", ".join(f"{o}:{o} + {local}.shape[{d}]" for d, o in enumerate(off))
         out.append(f"    out[{idx}] = {local}  # rank {r}'s block")
-    out.append("    return out")
+    out.append(f"    return out{_row(side)}")
     return out
 
 
-def write_sharded_repro(ta, tb, d, out, *, overwrite: bool = False):
-    """Write a repro of divergence `d` (from bisect) between `ta` and `tb`, either of them a run view."""
+def _row(side: RankedSide) -> str:
+    """The indexing that takes the token's row of the side's output (token alignment: each side ran its own batch,
+    so only the token's rows compare), "" for the whole value."""
+    if side.row_index is None:
+        return ""
+    idx = ", ".join(":" if i == ":" else str(i) for i in side.row_index)
+    return f"[{idx}]" + (".reshape(-1)" if side.flat_row else "") + "  # the token's row"
+
+
+def _row_of(side: RankedSide, x):
+    """The recorded output as the side returns it."""
+    if side.row_index is None:
+        return x
+    from divtrace.repro.codegen import select_row
+
+    x = select_row(x, side.row_index)
+    return x.reshape(-1) if side.flat_row else x
+
+
+def write_sharded_repro(ta, tb, d, out, *, overwrite: bool = False, rows: dict | None = None):
+    """Write a repro of divergence `d` (from bisect) between `ta` and `tb`, either of them a run view. `rows`
+    (token alignment): {side: the token's row index in its output}; each side then returns that row."""
     from divtrace.repro.inputs import _range
     from divtrace.repro.interpreter import interpreter
     from divtrace.repro.script import ReproResult, _check, _prepare_out, _settings
@@ -177,7 +199,13 @@ def write_sharded_repro(ta, tb, d, out, *, overwrite: bool = False):
     if not d.region_a or not d.region_b:
         raise DivtraceError(f"{ta.path} vs {tb.path}: the divergence in {d.module or '<root>'} has no op region on "
                             "both sides (recorded with ops=False, or the value came from outside): nothing to run")
-    sides = {"a": RankedSide("a", ta, [i for i, _ in d.region_a]), "b": RankedSide("b", tb, [i for i, _ in d.region_b])}
+    rows = rows or {}
+    sides = {s: RankedSide(s, t, [i for i, _ in region], rows.get(s))
+             for s, t, region in (("a", ta, d.region_a), ("b", tb, d.region_b))}
+    if rows:
+        outs = {s: _row_of(sides[s], _global_output(sides[s])) for s in sides}
+        if outs["a"].shape != outs["b"].shape:  # (HF's [H, D] head rows against [H*D]: compared flat, as bisect does)
+            sides["a"].flat_row = sides["b"].flat_row = True
     names, specs, tensors, by_key, order = {}, {}, {}, {}, []
     for s in ("a", "b"):
         for r, tr in sides[s].ranks:
@@ -204,7 +232,7 @@ def write_sharded_repro(ta, tb, d, out, *, overwrite: bool = False):
             and k not in {t[1] for t in ties}]
     codes = {s: gen_ranked_side(sides[s], order, {(r, v): names[(s, r, v)] for r, _ in sides[s].ranks
                                                   for v in sides[s].leaves[r]}) for s in ("a", "b")}
-    outputs = {s: _global_output(sides[s]) for s in ("a", "b")}
+    outputs = {s: _row_of(sides[s], _global_output(sides[s])) for s in ("a", "b")}
     origin = {"module": d.module, "call": d.call, "module_b": d.module_b, "op_a": d.op, "op_b": d.op_b,
               "record": d.index, "record_b": d.index_b, "tensor": d.tensor, "cause": d.cause,
               "trace_a": str(ta.path), "trace_b": str(tb.path), "label_a": ta.label, "label_b": tb.label,
@@ -231,7 +259,7 @@ def write_sharded_repro(ta, tb, d, out, *, overwrite: bool = False):
         "ranks": {s: [r for r, _ in sides[s].ranks if r is not None] for s in ("a", "b")},
         "settings": settings, "custom_ops": [], "fidelity": {s: fid[s]["ok"] for s in ("a", "b")},
         "fidelity_errors": {s: fid[s]["error"] for s in ("a", "b") if not fid[s]["ok"]},
-        "batch_symbolic": False, "batch": None, "seq_symbolic": False, "seq": None, "token_rows": None,
+        "batch_symbolic": False, "batch": None, "seq_symbolic": False, "seq": None, "token_rows": rows or None,
         "token_ties": [], "keep_recorded": keep, "warnings": [], "python": interpreter(),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
@@ -309,8 +337,9 @@ def write_run_repro(ta, tb, out, *, at=None, path_map=None, overwrite: bool = Fa
                                     "trace (RUN/rank-K) to divtrace repro")
             pick.append(t.run.traces[t.segment_of_index(index).rank])
         return tuple(pick)
-    if getattr(r, "alignment", "calls") == "tokens":
-        raise DivtraceError(f"{ta.path} vs {tb.path}: a token-aligned divergence of a tensor-parallel run cannot be "
-                            "reproduced on simulated ranks yet (each side would run its own batch); record both sides "
-                            "with the same batch to compare by calls")
-    return write_sharded_repro(ta, tb, d, out, overwrite=overwrite)
+    rows = None
+    if getattr(r, "alignment", "calls") == "tokens":  # each side at its own batch: the token's row compared
+        from divtrace.repro.region import _token_target
+
+        rows = _token_target(ta, tb, r, path_map).row_index
+    return write_sharded_repro(ta, tb, d, out, overwrite=overwrite, rows=rows)
