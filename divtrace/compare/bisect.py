@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from divtrace.align.calls import Pairing
+from divtrace.align.calls import Pairing, folded_pairing
 from divtrace.align.paths import PathMap
 from divtrace.compare.diffs import Tolerance
 from divtrace.compare.final_outputs import final_outputs, final_summary
@@ -125,7 +125,11 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
             f"({ta.meta.get('model_class')}, {len(ta.calls)} calls vs {tb.meta.get('model_class')}, {len(tb.calls)} "
             "calls); if the two stacks name modules differently, pass --map FILE")
     cmp = ValueComparator(ta, tb, tol)
-    walker = OriginWalker(ta, tb, pairing, cmp)
+    # A call with no partner (a module one side has and the other writes inline, an engine's extra submodule)
+    # is folded into its parent: its ops count as the parent's own code on both sides, where the walk by value
+    # meets them.
+    fa, fb, _ = folded_pairing(ta, tb, pairing)
+    walker = OriginWalker(fa, fb, pairing, cmp)
     warnings = [f"trace {t.path} is incomplete (status: {getattr(t, 'status', t.meta.get('status'))}"
                 + (f", {t.meta['error']}" if t.meta.get("error") else "") + "): only what ran before it stopped is compared"
                 for t in (ta, tb) if not t.complete]
@@ -140,7 +144,7 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
     aligned = [(ca, cb) for ca in sorted(ta.calls.values(), key=lambda c: c.enter_index)
                if (cb := pairing.partner(ca)) is not None]
     first = None
-    for ra, rb in _top_pairs(ta, pairing):
+    for ra, rb in _top_pairs(fa, pairing):
         if walker.differs(ra, rb):
             first = walker.localize(ra, rb)
             break

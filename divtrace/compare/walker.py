@@ -148,13 +148,14 @@ class OriginWalker:
         end = call.exit_index if call.exit_index is not None else len(t.rcall) - 1
         vids = {v for _, v in call.inputs}
         rcall, rin, rout, calls = t.rcall, t.rin, t.rout, t.calls
+        whole = getattr(t, "trace", None) or getattr(t, "_trace", t)  # calls folded away are the trace's still
         for i in range(call.enter_index, end + 1):
             ins = rin[i]
             if ins is not None:  # an op
                 vids.update(ins)
                 vids.update(rout[i])
             else:  # a module call's enter or exit
-                c = calls[rcall[i]]
+                c = calls.get(rcall[i]) or whole.calls[rcall[i]]
                 vids.update(v for _, v in (c.inputs if c.enter_index == i else c.outputs))
         return {t.vkey[v] for v in vids}
 
@@ -245,15 +246,23 @@ class OriginWalker:
 
     @staticmethod
     def _outside_input(t: Trace, call: ModuleCall, region: list[int], other_span, side: str, other: str):
-        """The first input of `region` that no recorded op made and that is not among the other side's values
-        (of its root call's span), said in words; None when there is none."""
+        """The first input of `region` that no recorded op made and that differs from the other side's values (of
+        its root call's span), said in words; None when there is none. "Differs" needs a counterpart: a value of
+        the same dtype and shape on the other side that is not bitwise equal. A value the other side holds in no
+        such form (vLLM's cos/sin cache, HF's cos and sin made per call) is not compared, so nothing is claimed,
+        and an empty tensor (a fresh KV cache) holds nothing to differ."""
         call_inputs = {v for _, v in call.inputs}
         for i in region:
             for pos, vid in enumerate(t.rin[i]):
-                if vid not in t.vprod and vid not in call_inputs and t.vkey[vid] not in other_span():
+                if vid in t.vprod or vid in call_inputs:
+                    continue
+                key = t.vkey[vid]
+                if len(key) < 3 or 0 in tuple(key[1]) or key in other_span():
+                    continue
+                if any(k[0] == key[0] and tuple(k[1]) == tuple(key[1]) for k in other_span() if len(k) >= 3):
                     return (f"input {pos} of {t.rop[i]} (record {i}, side {side}) was made by no recorded op (a "
                             "parameter or buffer, or bytes written by a kernel torch does not see) and differs: "
-                            f"side {other} holds no equal value")
+                            f"side {other} holds values of its dtype and shape, none bitwise equal to it")
         return None
 
     @staticmethod

@@ -125,6 +125,23 @@ class Recorder:
         """
         self.token_rows.declare(ids, positions, seqs)
 
+    def final(self, values, rows=None, kind=None, targets=None) -> None:
+        """Declare the final values of the last model call: the logits rows (or per-token logprobs) that an
+        engine or a fused head computes for some of its token rows only, so that bisect compares them per token.
+        `values` holds one row per entry of `rows`, the cells (row-major indices into the last root call's token
+        rows, in the order rec.tokens declared them) the values belong to; `rows=None` means every cell in order.
+        `kind` is "logits" ([R, V]: the row predicts the token after the cell) or "logprobs" ([R]: the logprob of
+        the token after the cell; `targets` may give those ids); by default logits for 2-D values, else logprobs.
+
+        Example (an engine that computes logits for the last row of each sequence)::
+
+            with divtrace.record(engine, "runs/rollout", mode="hash") as rec:
+                rec.tokens(ids, positions, seqs=request_ids)
+                logits = engine(input_ids, positions)           # [num_seqs, vocab]
+                rec.final(logits, rows=last_row_of_each_sequence)
+        """
+        self.token_rows.final(self.calls, values, rows, kind, targets)
+
     def __exit__(self, exc_type, exc, tb):
         try:
             self.op_records.pop_mode()

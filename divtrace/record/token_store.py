@@ -44,10 +44,16 @@ class TokenStoreWriter:
     def add_grid(self, grid) -> None:
         for number, first in grid.new_seqs:
             self._tokens.append(_COMPACT({"S": number, "first": first}))
-        self._tokens.append(_COMPACT(
-            {"c": grid.call_id, "n": grid.root_call, "shape": grid.shape, "kv": grid.kv_len, "src": grid.source,
-             "keys": grid.keys, "pos": grid.pos, "ids": grid.ids, "fed": grid.fed, "seq": grid.seq}))
+        line = {"c": grid.call_id, "n": grid.root_call, "shape": grid.shape, "kv": grid.kv_len, "src": grid.source,
+                "keys": grid.keys, "pos": grid.pos, "ids": grid.ids, "fed": grid.fed, "seq": grid.seq}
+        if grid.next_ids is not None:
+            line["next"] = grid.next_ids
+        self._tokens.append(_COMPACT(line))
         self.grids += 1
+
+    def add_used(self, call_id: int, used: list[int]) -> None:
+        """The position ids the model used in root call `call_id`, one per cell (read from inside the call)."""
+        self._tokens.append(_COMPACT({"P": call_id, "used": used}))
 
     def add_rows(self, vid: int, call_id: int, code: str, hashes) -> None:
         """`hashes`: a numpy uint64 array, one per token row, or those as little-endian bytes

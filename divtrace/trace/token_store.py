@@ -3,7 +3,9 @@ divtrace.record.token_store).
 
 - tokens.jsonl: one line per root call with token identity: {"c": call id, "n": root call number, "shape": grid,
   "kv": key/value length, "src": "hf"|"declared", "keys", "pos", "ids", "fed", "seq"} (lists, one entry per
-  cell), preceded by {"S": sequence number, "first": first ids} for each sequence that starts in that call.
+  cell), preceded by {"S": sequence number, "first": first ids} for each sequence that starts in that call. A grid
+  of rec.final's values has "src": "final:logits" or "final:logprobs" (and "next": the ids the logprobs are of);
+  {"P": call id, "used": [...]} gives the position ids the model used in that call, one per cell.
 - rows.bin: little-endian uint64 row fingerprints (divtrace.record.rowhash, scheme in meta tokens.row_scheme), 8
   bytes per token row.
 - rows.jsonl: one line per value with token rows: [vid, call id, layout code, offset in rows.bin (in rows)].
@@ -37,6 +39,13 @@ class Grid:
     ids: list[int]
     fed: list[int]
     seq: list[int]
+    next: list[int] | None = None  # rec.final's logprobs: the id each value is the logprob of
+    used: list[int] | None = None  # the position ids the model used (read inside the call), one per cell
+
+    @property
+    def final(self) -> str | None:
+        """"logits" or "logprobs" for a grid of rec.final's declared values, else None."""
+        return self.source[6:] if self.source.startswith("final:") else None
 
 
 def _lines(path: Path):
@@ -79,17 +88,26 @@ class TokenIndex:
         self.path = p
         self.grids: dict[int, Grid] = {}
         self.first_ids: dict[int, list[int]] = {}
+        used: dict = {}
         for d in _lines(p / TOKENS):
             if "S" in d:
                 self.first_ids[d["S"]] = d.get("first", [])
                 continue
+            if "P" in d:
+                used[d["P"]] = d.get("used")
+                continue
             try:
-                g = Grid(d["c"], d["n"], d["shape"], d["kv"], d["src"], d["keys"], d["pos"], d["ids"], d["fed"], d["seq"])
+                g = Grid(d["c"], d["n"], d["shape"], d["kv"], d["src"], d["keys"], d["pos"], d["ids"], d["fed"], d["seq"],
+                         d.get("next"))
             except (KeyError, TypeError):
                 from divtrace.errors import DivtraceError
 
                 raise DivtraceError(f"{p / TOKENS}: a line is not a token grid: {str(d)[:120]}") from None
             self.grids[g.call_id] = g
+        for cid, u in used.items():
+            g = self.grids.get(cid)
+            if g is not None and isinstance(u, list) and len(u) == len(g.keys):
+                g.used = u
         self._bin = None
         self._index = None
 
