@@ -164,6 +164,8 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
             continue
         m = walker.out_mismatch(ca, cb)
         cause = "propagated" if walker.in_mismatch(ca, cb) is not None else "origin"
+        if cause == "origin" and first is not None and ca.enter_index < first.index < (ca.exit_index or 0):
+            cause = "contains"  # an ancestor of the origin: its output differs because of what runs inside it
         d = walker.divergence(ca, cb, m[1], m[2], m[0], cause)
         nxt.append(d)
     if first is None and cmp.bitwise_differs and cmp.tol is None:

@@ -83,7 +83,8 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
     # The tokens to explain: those whose final value differs. Where no final value could be compared, those with a
     # differing row anywhere (the verdict then says the finals were not compared).
     explain = list(fin.differ) if fin.compared else [k for k in shared if k in sw.first_module or k in positions]
-    found = find_origins(sa, sb, views, explain, sw.first_module, sw.module_rows, positions, fin_a, fin_b, tol)
+    found, walked = find_origins(sa, sb, views, explain, sw.first_module, sw.module_rows, positions, fin_a, fin_b,
+                                 tol)
     origins, origin_cells = [], []
     for o in found:
         origins.append(_origin_dict(sa, sb, o))
@@ -100,7 +101,7 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
     loose = {"a": unattributed(sa, fin_a), "b": unattributed(sb, fin_b)}
     tokens = {"shared": len(shared), "only_a": len(sa.where) - len(shared), "only_b": len(sb.where) - len(shared),
               "differing": len(sw.any_differs | final_differ), "final_compared": fin.compared,
-              "final_differing": len(fin.differ), "walked": sum(1 for o in found if o.walked_for is not None),
+              "final_differing": len(fin.differ), "walked": walked,
               "modules": {label: n for label, n in sorted(sw.module_counts().items(),
                                                            key=lambda kv: sw.module_rows[kv[0]][0])},
               "positions_differ": len(positions), "folded_calls": dict(zip("ab", views.folded())),

@@ -40,12 +40,13 @@ class Origin:
     uncompared: list = field(default_factory=list)  # inputs of the parting op not compared for the token
     positions: tuple | None = None  # (a's, b's) position ids, for a positions origin
     walked_for: int | None = None  # the token walked to find it (its final differs; `key` may be another token)
+    offset: int = 0  # the parting op's record offset in its module call: the same op in every root call
 
     def signature(self):
         d = self.d
         if d is None:
             return (self.kind,)
-        return (d.module, d.call, d.op, d.op_b, d.kind, d.index, d.index_b)
+        return (d.module, d.call, d.op, d.op_b, d.kind, self.offset)
 
 
 def position_diffs(sa: TraceTokens, sb: TraceTokens, shared: list) -> dict:
@@ -68,7 +69,8 @@ def _position(tok: TraceTokens, k: int) -> int:
 
 
 def find_origins(sa: TraceTokens, sb: TraceTokens, views: TokenViews, explain: list, first_module: dict,
-                 module_rows: dict, positions: dict, fin_a: dict, fin_b: dict, tol=None) -> list[Origin]:
+                 module_rows: dict, positions: dict, fin_a: dict, fin_b: dict, tol=None) -> tuple[list[Origin], int]:
+    """(the origins, the first one first; how many tokens were walked)."""
     found: list[Origin] = []
     if any(k in positions for k in explain):
         # every token computed at another position, whether its own final value was compared or not (prompt rows
@@ -119,7 +121,7 @@ def find_origins(sa: TraceTokens, sb: TraceTokens, views: TokenViews, explain: l
             have.tokens |= o.tokens
             if (_pos_of(sa, o.key), o.key) < (_pos_of(sa, have.key), have.key):
                 have.key, have.cells = o.key, o.cells
-    return sorted(merged.values(), key=lambda o: (o.order, _pos_of(sa, o.key)))
+    return sorted(merged.values(), key=lambda o: (o.order, _pos_of(sa, o.key))), len(reps)
 
 
 class _Walkers:
@@ -144,7 +146,7 @@ def _walk(walker_for, sa, sb, k, fin_a, fin_b, module_rows) -> Origin | None:
         if fa is not None and fb is not None and fa.kind != fb.kind:
             return Origin(None, k, cells, order=_LATE - 1, kind="derivation")
         return None
-    o = Origin(d, k, cells, order=_order(va, d, cells[0]), kind=d.kind)
+    o = Origin(d, k, cells, order=_order(va, d, cells[0]), kind=d.kind, offset=_offset(va, d))
     if fa is not None and fb is not None and fa.kind != fb.kind and d.module == "" and d.cause == "origin" \
             and not walker.output_differs(va.root, vb.root):
         o.kind, o.d = "derivation", None  # only the logprobs derived from the logits differ
@@ -162,6 +164,11 @@ def _order(view, d: Divergence, root_cid: int) -> int:
     root = view.calls[root_cid]
     at = d.index if d.index is not None else root.enter_index
     return at - root.enter_index
+
+
+def _offset(view, d: Divergence) -> int:
+    call = next((c for c in view.calls.values() if c.module == d.module and c.call == d.call), None)
+    return (d.index - call.enter_index) if call is not None and d.index is not None else 0
 
 
 def _through_attention(walker_for, sa: TraceTokens, k: int, d: Divergence, module_rows: dict) -> Origin | None:
@@ -193,7 +200,7 @@ def _through_attention(walker_for, sa: TraceTokens, k: int, d: Divergence, modul
     if mb is None or not walker.differs(ma, mb):
         return None
     dx = walker.localize(ma, mb)
-    o = Origin(dx, x, cells, {k}, order=_order(va, dx, cells[0]), kind=dx.kind,
+    o = Origin(dx, x, cells, {k}, order=_order(va, dx, cells[0]), kind=dx.kind, offset=_offset(va, dx),
                note=f"reaches the token at position {pos} through attention over the K/V rows of the token at "
                     f"position {px} of its sequence")
     o.uncompared = walker.uncompared_inputs(dx) if dx.kind == "op" else []
