@@ -382,3 +382,88 @@ def test_inline_layer_norm_against_a_layer_norm_module(tmp_path):
     assert d["verdict"] == "diverged"
     f = d["first"]
     assert f["module"] == "" and "layer_norm" in (f["op"] or "") and "layer_norm" in (f["op_b"] or ""), f
+
+
+def _two_origins(tmp_path):
+    """bf16 (batch-invariant matmuls here): the rollout's layer-0 down_proj splits K on decode rows only, and its
+    layer-1 o_proj scales prefill rows only."""
+    def plant(m):
+        tc.batch_dependent_linear(m.model.layers[0].mlp.down_proj)
+        o = m.model.layers[1].self_attn.o_proj
+        real = type(o).forward
+
+        def prefill_only(self, x):
+            y = real(self, x)
+            return y * (1 + 2 ** -6) if x.reshape(-1, x.shape[-1]).shape[0] > 4 else y
+
+        o.forward = types.MethodType(prefill_only, o)
+
+    m = oc.llama(dtype=torch.bfloat16)
+    plant(m)
+    roll = oc.rollout(m, tmp_path / "roll", tc.prompts(), mode="full")
+    train = oc.trainer(oc.llama(dtype=torch.bfloat16), tmp_path / "train", roll.seqs, mode="full")
+    return train, roll
+
+
+def test_repro_at_cuts_each_token_aligned_origin(tmp_path):
+    """`repro --at RECORD` takes any origin bisect lists (its `index`), not only the first: each repro holds that
+    origin's module and fails while the sides differ."""
+    train, roll = _two_origins(tmp_path)
+    d = divtrace.bisect(train.path, roll.path).to_dict()
+    assert [o["module"] for o in d["origins"]] == ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.o_proj"]
+    for o in d["origins"]:
+        out = tmp_path / f"repro-{o['index']}"
+        rc, stdout, err = _cli("repro", train.path, roll.path, "--at", o["index"], "--out", out)
+        assert rc == 0, err
+        man = json.loads((out / "manifest.json").read_text())
+        assert man["origin"]["module"] == o["module"], man["origin"]
+        p = subprocess.run([sys.executable, str(out / "repro.py")], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 1 and "FAILED" in p.stdout, p.stdout + p.stderr
+    rc, _, err = _cli("repro", train.path, roll.path, "--at", 3, "--out", tmp_path / "nope")
+    assert rc == 2 and "is the record of no origin" in err and str(d["origins"][0]["index"]) in err
+
+
+def test_a_kv_difference_reaches_later_tokens_through_attention(tmp_path):
+    """The rollout's layer-1 k_proj differs on prefill rows only: the prompt tokens' keys. A decoded token's own
+    rows are equal up to its attention, whose output differs because it attends to those keys. Its origin is the
+    k_proj difference of the tokens it attends to (said so), never the attention kernel "not batch-invariant"."""
+    def plant(m):
+        k = m.model.layers[1].self_attn.k_proj
+        real = type(k).forward
+
+        def prefill_only(self, x):
+            y = real(self, x)
+            return y * (1 + 2 ** -6) if x.reshape(-1, x.shape[-1]).shape[0] > 4 else y
+
+        k.forward = types.MethodType(prefill_only, k)
+
+    m = oc.llama(dtype=torch.bfloat16)
+    plant(m)
+    roll = oc.rollout(m, tmp_path / "roll", tc.prompts(), mode="hash")
+    train = oc.trainer(oc.llama(dtype=torch.bfloat16), tmp_path / "train", roll.seqs, mode="hash")
+    truth = oc.truth(train, roll)
+    # the hooks: k_proj's output differs on the prompt tokens only; the decoded tokens' attention output differs
+    decoded = {t for t in truth.final_differs if t[1] >= len(tc.prompts()[t[0]])}
+    k_rows = truth.out_differs["model.layers.1.self_attn.k_proj"]
+    assert decoded and not (k_rows & decoded) and all(t in truth.out_differs["model.layers.1.self_attn"]
+                                                      for t in decoded)
+    d = divtrace.bisect(train.path, roll.path).to_dict()
+    assert d["verdict"] == "diverged"
+    assert {o["module"] for o in d["origins"]} == {"model.layers.1.self_attn.k_proj"}, d["origins"]
+    assert sum(o["tokens"] for o in d["origins"]) == len(truth.final_differs)
+    via = [o for o in d["origins"] if o.get("note")]
+    assert via and "through attention" in via[0]["note"]
+    assert "not batch-invariant" not in json.dumps(d["origins"])
+
+
+def test_an_excluded_call_counts_as_its_parents_code(tmp_path):
+    """--exclude / exclude=: the excluded module's ops are its parent's own code (docs), so bisect names the op in
+    the parent, not the call after it."""
+    x = torch.randn(4, 32)
+    for name, eps in (("a", 1e-5), ("b", 1e-3)):
+        m = _Block(False, eps).eval()
+        with torch.no_grad(), divtrace.record(m, tmp_path / name, mode="full", exclude=r"^norm$"):
+            m(x)
+    d = divtrace.bisect(tmp_path / "a", tmp_path / "b").to_dict()
+    f = d["first"]
+    assert d["verdict"] == "diverged" and f["module"] == "" and "layer_norm" in (f["op"] or ""), f

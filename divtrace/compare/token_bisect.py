@@ -48,6 +48,7 @@ class TokenBisectResult(BisectResult):
     token_order: dict = field(default_factory=dict)
     token_sides: tuple | None = None  # the two TraceTokens (for repro)
     origin_cells: list = field(default_factory=list)  # first_cells of each of `origins` (repro --at)
+    origin_divs: list = field(default_factory=list)  # the Divergence of each of `origins` (None: positions...)
 
     def to_dict(self) -> dict:
         d = super().to_dict()
@@ -153,7 +154,7 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
         bitwise_differs=tokens["differing"], tolerance=None, tokens=tokens, origins=origins, absorbed=absorbed,
         first_extra=first_extra, reason=reason, coverage=ver.coverage,
         first_cells=first_o.cells if first_o is not None else None, token_sides=(sa, sb), module_rows=sw.module_rows,
-        token_order=order, origin_cells=origin_cells)
+        token_order=order, origin_cells=origin_cells, origin_divs=[o.d for o in found])
 
 
 _DERIV = "fp32 log_softmax of the logits row, gathered at the next token's id"

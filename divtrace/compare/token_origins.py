@@ -119,6 +119,7 @@ def find_origins(sa: TraceTokens, sb: TraceTokens, views: TokenViews, explain: l
             merged[sig] = o
         else:
             have.tokens |= o.tokens
+            have.note = have.note or o.note  # (some of its tokens it reaches through attention)
             if (_pos_of(sa, o.key), o.key) < (_pos_of(sa, have.key), have.key):
                 have.key, have.cells = o.key, o.cells
     return sorted(merged.values(), key=lambda o: (o.order, _pos_of(sa, o.key))), len(reps)

@@ -97,7 +97,7 @@ def _first_divergence(ta: Trace, tb: Trace, path_map: PathMap | None):
 
         raise Inconclusive(f"{ta.path} and {tb.path}: no divergence found to reproduce, and the comparison is "
                            f"inconclusive: {r.reason}")
-    if r.first is None:
+    if r.first is None and not (r.verdict == "diverged" and getattr(r, "origins", None)):
         raise DivtraceError(f"{ta.path} and {tb.path}: no divergence ({r.verdict}: {r.compared} tensor pairs compared, "
                             "all bitwise equal); there is nothing to reproduce")
     return r
@@ -123,13 +123,23 @@ def token_row_index(view, vid: int) -> list | None:
     return layout.row_index(e[1], g.shape, view.cell)
 
 
-def _token_target(ta: Trace, tb: Trace, r, path_map: PathMap | None) -> Target:
-    """The first divergence of a token-aligned bisect: each side's call that holds the token, the differing values
-    (each side's whole tensor, at the batch that side ran), and the token's row in each."""
+def _token_target(ta: Trace, tb: Trace, r, path_map: PathMap | None, at: int | None = None) -> Target:
+    """An origin of a token-aligned bisect (the first, or `at`: the one whose parting op is record `at` of a):
+    each side's call that holds the token, the differing values (each side's whole tensor, at the batch that side
+    ran), and the token's row in each."""
     from divtrace.align.tokens import TokenView
 
-    first = r.first
-    ra, ca, rb, cb = r.first_cells
+    pick = [i for i, d in enumerate(r.origin_divs) if d is not None and (at is None or d.index == at)]
+    if not pick:
+        listed = ", ".join(f"{d.index} ({d.module or '<root>'} {d.op or d.op_b})" for d in r.origin_divs if d is not None)
+        if at is not None:
+            raise DivtraceError(f"{ta.path}: --at {at} is the record of no origin of this token-aligned bisect; its "
+                                f"origins' records: {listed or 'none'}")
+        kinds = ", ".join(o["cause_text"] for o in r.origins if o.get("cause_text"))
+        raise DivtraceError(f"{ta.path} vs {tb.path}: the difference is no op to reproduce: {kinds}")
+    i = pick[0]
+    first = r.origin_divs[i]
+    ra, ca, rb, cb = r.origin_cells[i]
     va_view, vb_view = TokenView(r.token_sides[0], ra, ca), TokenView(r.token_sides[1], rb, cb)
     call_a = next(c for c in va_view.calls.values() if c.module == first.module and c.call == first.call)
     call_b = Pairing(va_view, vb_view, path_map).partner(call_a)
@@ -150,10 +160,7 @@ def find_target(ta: Trace, tb: Trace, at: int | None = None, path_map: PathMap |
     result = _first_divergence(ta, tb, path_map)
     first = result.first
     if getattr(result, "alignment", "calls") == "tokens":
-        if at is not None and at != first.index:
-            raise DivtraceError(f"{ta.path}: --at is not supported for a token-aligned divergence yet; the repro is "
-                                f"of the first one (record {first.index}); pass --align calls to bisect by calls")
-        return _token_target(ta, tb, result, path_map)
+        return _token_target(ta, tb, result, path_map, at)
     pairing = Pairing(ta, tb, path_map)
     if at is None or at == first.index:
         ca = _call_by_key(ta, first.module, first.call)
