@@ -260,6 +260,7 @@ def _warnings(ta, tb, tokens, fin) -> list[str]:
             warnings.append(f"trace {t.path} is incomplete (status: {t.meta.get('status')}): only what ran before it "
                             "stopped is compared")
         warnings += [f"{t.path} (recording): {w}" for w in t.meta.get("warnings") or [] if isinstance(w, str)]
+        warnings += [w for w in getattr(t, "warnings", []) if w not in warnings]  # what reading it found
     return warnings
 
 
