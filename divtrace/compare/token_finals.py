@@ -55,21 +55,28 @@ def final_values(tok: TraceTokens) -> dict[int, FinalValue]:
         cands = []
         for name, vid in call.outputs:
             e = tok.index.index.get(vid)
-            if e is not None and e[0] == cid and e[2] >= 0 and "float" in t.vkey[vid][0]:
+            # (a declared value whose rows were written in its root call already: read there)
+            if e is not None and (e[0] == cid or g.final is not None) and e[2] >= 0 and "float" in t.vkey[vid][0]:
                 cands.append((name, vid, e[1]))
         if not cands:
             continue
         named = [c for c in cands if any(n in c[0] for n in _NAMED)]
         name, vid, code = (named or cands)[0]
+        at = tok.index.index[vid][0]
         for cell, k in enumerate(g.keys):
             if not k:
                 continue
-            key = tok.row_key(vid, cid, cell)
+            if at == cid:
+                key = tok.row_key(vid, cid, cell)
+            else:  # rows in the token's root call
+                root, root_cell = tok.where.get(k, (None, None))
+                key = tok.row_key(vid, root, root_cell) if root == at else None
             if key is None or isinstance(key, Incomparable):
                 continue
             kind = g.final or _kind_of(key)
             target = g.next[cell] if g.final == "logprobs" and g.next else None
-            fv = FinalValue(cid, cell, vid, kind, key, target)
+            fv = FinalValue(cid, cell, vid, kind, key, target) if at == cid else \
+                FinalValue(at, tok.where[k][1], vid, kind, key, target)
             if g.final is not None:
                 declared[k] = fv
             elif k not in out:

@@ -295,7 +295,9 @@ class ModuleCalls:
                 pairs = []
                 if t is not None:
                     vid = self._vid_of(t, values, boundary=True)
-                    if grid is not None and vid not in tokens.rowed:  # (a value met before: its rows for this grid)
+                    # a value met before (the model's output) gets rows for this grid, unless it has some already
+                    # (an engine's decode step, whose output rows are its tokens: bisect reads those)
+                    if grid is not None and vid not in tokens.rowed and vid not in tokens.store.rowed:
                         tokens.rows(vid, t)
                     pairs.append((key, vid))
                 self.writer.append(ModuleExit(self.take_index(), call_id, pairs), values)
@@ -304,7 +306,7 @@ class ModuleCalls:
                     tokens.grid = None
                     tokens.rowed.clear()
                     tokens.unrowed.clear()
-                    tokens.store.flush()
+                    tokens.store.end_call()
 
     def _pop(self) -> _Frame:
         frame = self.stack.pop()

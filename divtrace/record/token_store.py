@@ -30,6 +30,7 @@ class TokenStoreWriter:
         self.unrowed: dict[str, int] = {}  # layout code ("?", "x") -> values compared whole
         self.current: dict[int, tuple[str, int]] = {}  # vid -> (code, offset) of the root call in progress
         self.shared = 0  # values that point at another value's rows (views of it)
+        self.rowed: set[int] = set()  # every value given rows (rows.jsonl lists a value once)
 
     def add_grid(self, grid) -> None:
         for number, first in grid.new_seqs:
@@ -48,6 +49,7 @@ class TokenStoreWriter:
     def add_rows(self, vid: int, call_id: int, code: str, hashes) -> None:
         """`hashes`: a numpy uint64 array, one per token row, or those as little-endian bytes
         (hashing.rows.strided_row_fingerprints); None for a value whose rows cannot be compared."""
+        self.rowed.add(vid)
         if hashes is None:
             self._index.append(f'[{vid},{call_id},"{code}",-1]')
             self.unrowed[code] = self.unrowed.get(code, 0) + 1
@@ -66,6 +68,7 @@ class TokenStoreWriter:
         """A value whose rows are another value's (a view holding the same bytes per row): its index line points at
         those fingerprints."""
         self._index.append(f'[{vid},{call_id},"{code}",{offset}]')
+        self.rowed.add(vid)
         self.current[vid] = (code, offset)
         self.shared += 1
 

@@ -236,4 +236,8 @@ def fits(code: str, shape, grid_shape) -> bool:
         return nd >= 3 and shape[0] == b and shape[2] == t
     if code.startswith("last"):
         return nd >= 2 and shape[0] == b and shape[1] == int(code[4:]) < t
+    if code.startswith("prev"):
+        return nd == 2 and shape[0] == b and shape[1] == int(code[4:]) < t
+    if code == "1t":
+        return nd >= 2 and shape[0] == 1 and shape[1] == t
     return False

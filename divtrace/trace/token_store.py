@@ -45,9 +45,9 @@ class Grid:
     fed: list[int]
     seq: list[int]
     line: int = 0  # its line in tokens.jsonl
-    used: list | None = None  # the position ids the model used (read inside the call: a "P" line), one per cell
     extra: dict = field(default_factory=dict)  # keys of its line this reader does not know
     arrays: tuple = ()  # (keys, pos, ids, seq) as numpy arrays, while the file is checked
+    used: list | None = None  # the position ids the model used (read inside the call: a "P" line), one per cell
 
 
     @property
