@@ -467,3 +467,38 @@ def test_an_excluded_call_counts_as_its_parents_code(tmp_path):
     d = divtrace.bisect(tmp_path / "a", tmp_path / "b").to_dict()
     f = d["first"]
     assert d["verdict"] == "diverged" and f["module"] == "" and "layer_norm" in (f["op"] or ""), f
+
+
+# -- coverage: identical only when both runs did the same work (issue 33, item 3) --------------------------------
+def test_partly_different_prompts_are_inconclusive_not_identical(tmp_path):
+    """Two rollouts share one prompt and differ in the other: the shared tokens are bitwise equal, but tokens only
+    one side fed (beyond a rollout's last sampled token) mean the runs did not do the same work."""
+    m = oc.llama(dtype=torch.bfloat16)
+    p0, p1 = tc.prompts()
+    other = [(x + 7) % tc.VOCAB for x in p1]
+    oc.rollout(m, tmp_path / "a", [p0, p1], mode="hash")
+    oc.rollout(m, tmp_path / "b", [p0, other], mode="hash")
+    r = divtrace.bisect(tmp_path / "a", tmp_path / "b", align="tokens")
+    d = r.to_dict()
+    assert r.verdict == "inconclusive" and r.exit_code == 3, d["reason"]
+    assert d["reason"].startswith("coverage: ") and d["coverage"]["gaps"]
+    assert d["tokens"]["one_sided"] == {"a": len(p1) + 3, "b": len(other) + 3}
+    # the expected asymmetry alone (the trainer recomputes the last sampled token) is no gap
+    seqs = oc.rollout(m, tmp_path / "c", [p0, p1], mode="hash").seqs
+    oc.trainer(m, tmp_path / "t", seqs, mode="hash")
+    d = divtrace.bisect(tmp_path / "t", tmp_path / "c").to_dict()
+    assert d["verdict"] in ("identical", "absorbed") and d["tokens"]["one_sided"] == {"a": 0, "b": 0}, d["reason"]
+
+
+def test_a_map_that_unpairs_the_model_calls_makes_identical_impossible(tmp_path):
+    m = oc.llama(dtype=torch.bfloat16)
+    seqs = oc.rollout(m, tmp_path / "roll", tc.prompts(), mode="hash").seqs
+    oc.trainer(m, tmp_path / "train", seqs, mode="hash")
+    bad = tmp_path / "map.yaml"
+    bad.write_text("b:\n  '^model\\.': 'renamed.'\n")
+    from divtrace.align.paths import PathMap
+
+    r = divtrace.bisect(tmp_path / "train", tmp_path / "roll", path_map=PathMap.from_file(bad))
+    d = r.to_dict()
+    assert r.verdict == "inconclusive" and "module calls left unpaired" in d["reason"], d["reason"]
+    assert d["tokens"]["unpaired_calls"]

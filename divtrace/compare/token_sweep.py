@@ -22,7 +22,7 @@ import numpy as np
 
 from divtrace.align.tokens import TraceTokens
 from divtrace.align.views import TokenViews
-from divtrace.compare.values import TokenComparator
+from divtrace.compare.values import TokenComparator, uninitialized_values
 
 
 @dataclass
@@ -53,6 +53,9 @@ def compare_rows(sa: TraceTokens, sb: TraceTokens, va: int, vb: int, ra: int, rb
 
 def sweep(sa: TraceTokens, sb: TraceTokens, groups: dict, views: TokenViews, tol=None) -> Sweep:
     out = Sweep()
+    # Buffers allocated without being written (vLLM allocates each linear's output so, then a kernel fills it): their
+    # bytes are whatever the allocator gave, nothing to compare
+    undef_a, undef_b = uninitialized_values(sa.trace), uninitialized_values(sb.trace)
     for (ra, rb), toks in groups.items():
         va, vb, pairing = views.pair(ra, toks[0][1], rb, toks[0][2])
         cmp = TokenComparator(va, vb, tol)
@@ -107,6 +110,8 @@ def sweep(sa: TraceTokens, sb: TraceTokens, groups: dict, views: TokenViews, tol
                         continue
                     op_bad = np.zeros(n, dtype=bool)
                     for xa, xb in zip(oa, ob):
+                        if xa in undef_a and xb in undef_b:
+                            continue
                         got = compare_rows(sa, sb, xa, xb, ra, rb, cells_a, cells_b)
                         if got is not None:
                             op_bad |= got[0]

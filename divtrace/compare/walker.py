@@ -270,6 +270,11 @@ class OriginWalker:
         memo: dict = {}
         scope = set(own)
         data = [i for i in region if not constant_derived(t, i, memo, scope)]
+        if not region and own:
+            # The differing value was made by no op of the call (an engine adapter's derived output, such as vLLM's
+            # q block of its fused qkv_proj): the call's own computing op that ran last made what it derives from.
+            last = [i for i in own if computing(t.rop[i], t.rin[i], t.rout[i], t)]
+            return last[-1] if last else None
         return next((i for i in data if computing(t.rop[i], t.rin[i], t.rout[i], t)), (data or region or [None])[0])
 
     def divergence(self, ca, cb, va, vb, what, cause) -> Divergence:

@@ -126,13 +126,15 @@ class Recorder:
         """
         self.token_rows.declare(ids, positions, seqs)
 
-    def final(self, values, rows=None, kind=None, targets=None) -> None:
+    def final(self, values, rows=None, kind=None, targets=None, call=None) -> None:
         """Declare the final values of the last model call: the logits rows (or per-token logprobs) that an
         engine or a fused head computes for some of its token rows only, so that bisect compares them per token.
         `values` holds one row per entry of `rows`, the cells (row-major indices into the last root call's token
         rows, in the order rec.tokens declared them) the values belong to; `rows=None` means every cell in order.
         `kind` is "logits" ([R, V]: the row predicts the token after the cell) or "logprobs" ([R]: the logprob of
         the token after the cell; `targets` may give those ids); by default logits for 2-D values, else logprobs.
+        `call`: the number of the root call whose token rows `rows` index (default: the last one), for values
+        computed after several calls (generate's steps).
 
         Example (an engine that computes logits for the last row of each sequence)::
 
@@ -141,7 +143,7 @@ class Recorder:
                 logits = engine(input_ids, positions)           # [num_seqs, vocab]
                 rec.final(logits, rows=last_row_of_each_sequence)
         """
-        self.token_rows.final(self.calls, values, rows, kind, targets)
+        self.token_rows.final(self.calls, values, rows, kind, targets, call)
 
     def __exit__(self, exc_type, exc, tb):
         try:

@@ -47,6 +47,7 @@ class TokenRows:
         self.rowed: set[int] = set()  # vids whose token rows were looked at (the current root call's)
         self.unrowed: set[int] = set()  # of those, the ones no layout fitted (a root output may fit one: lastK)
         self.last_grid = None  # the grid of the last root call that ended (what rec.final's rows refer to)
+        self.grids_by_call: dict = {}  # root call number -> its grid (rec.final(..., call=n))
         self.positions_seen = False  # the positions the current root call's model uses were read
         self._layout_grid = None  # the grid _layouts holds the inferred layouts of: (shape, root output) -> code
         self._layouts: dict = {}
@@ -68,6 +69,8 @@ class TokenRows:
 
     def end_root_call(self) -> None:
         self.last_grid = self.grid
+        if self.grid is not None:
+            self.grids_by_call[self.grid.root_call] = self.grid
         self.grid = None
         self.rowed.clear()
         self.unrowed.clear()
@@ -133,13 +136,16 @@ class TokenRows:
             used = t.tolist()
         self.store.add_used(g.call_id, used)
 
-    def final(self, calls, t: torch.Tensor, rows, kind, targets) -> None:
-        """rec.final: write `t` as the final values of `rows` (cells) of the last root call's token grid, as a call
-        of the pseudo module FINAL with a token grid of its own (one cell per row of `t`)."""
+    def final(self, calls, t: torch.Tensor, rows, kind, targets, call=None) -> None:
+        """rec.final: write `t` as the final values of `rows` (cells) of the last root call's token grid (or of root
+        call number `call`), as a call of the pseudo module FINAL with a token grid of its own (one cell per row)."""
         from divtrace.record.token_identity import TokenGrid
 
-        g = self.last_grid
         where = "rec.final"
+        g = self.last_grid if call is None else self.grids_by_call.get(call)
+        if call is not None and g is None:
+            raise DivtraceError(f"{where}: root call {call} has no token rows (root calls with rows: "
+                                f"{sorted(self.grids_by_call)[:8]})")
         if not isinstance(t, torch.Tensor):
             raise DivtraceError(f"{where}: values must be a tensor, got {type(t).__name__}")
         if g is None:

@@ -151,9 +151,18 @@ def _token_target(ta: Trace, tb: Trace, r, path_map: PathMap | None, at: int | N
         if rows[s] is None:
             raise DivtraceError(f"{view.path}: the differing value of {first.module or '<root>'} has no row for the token "
                                 "(its token layout is unknown); cannot cut a repro of one token's row")
-    return Target(first.vid_a, first.vid_b, ta.calls[call_a.call_id], tb.calls[call_b.call_id], first.index,
+    return Target(first.vid_a, first.vid_b, _recorded(ta, call_a), _recorded(tb, call_b), first.index,
                   first.index_b, first.op, first.op_b, first.cause, first.tensor,
                   views={"a": va_view, "b": vb_view}, row_index=rows)
+
+
+def _recorded(t: Trace, call) -> ModuleCall:
+    """The recorded call behind `call`: itself, or for a map's stand-in (vLLM's q_proj split from its fused qkv_proj)
+    the call it stands for, which started at the same record."""
+    got = t.calls.get(call.call_id)
+    if got is not None and got.enter_index == call.enter_index:
+        return got
+    return next(c for c in t.calls.values() if c.enter_index == call.enter_index)
 
 
 def find_target(ta: Trace, tb: Trace, at: int | None = None, path_map: PathMap | None = None) -> Target:
