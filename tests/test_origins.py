@@ -343,6 +343,32 @@ def test_a_fused_head_returning_logprobs_is_compared_against_logits(tmp_path):
     assert fin["derived"] and fin["tokens_compared"] == 8
 
 
+
+@pytest.mark.parametrize("mode", ["full", "hash"])
+def test_a_grpo_group_one_prompt_several_completions_compares_each_continuations_logprob(tmp_path, mode):
+    """A GRPO group samples several completions of one prompt: the prompt's last token is one token (one key, one
+    logits row) with a logprob per continuation. Each side's logprob of each continuation is compared with the
+    other side's of the same continuation, whatever the batch order (regression: one value per key compared the
+    first continuation of a against the first of b, another token's logprob)."""
+    p = tc.prompts()[0]
+    seqs = [p + [5, 6, 7], p + [8, 9, 10], p + [11, 12, 13]]
+    m = oc.llama()
+    a = oc.fused_head(m, tmp_path / "a", seqs, micro_batch=3, mode=mode)
+    b = oc.fused_head(m, tmp_path / "b", seqs[::-1], micro_batch=3, mode=mode)
+    # ground truth: each sequence's logprobs on both sides, from the model itself
+    head = oc.FusedHead(m)
+    with torch.no_grad():
+        la = head(*tc.right_padded(seqs))
+        lb = head(*tc.right_padded(seqs[::-1])).flip(0)
+    same = la.shape == lb.shape and torch.equal(la.view(torch.int32), lb.view(torch.int32))
+    d = divtrace.bisect(a.path, b.path).to_dict()
+    fin = d["final"]
+    assert fin["tokens_compared"] == len(p) + 3 * 2  # every prompt token predicts one; two more per completion
+    assert fin["identical"] == same and (d["verdict"] == "identical") == same, (same, d["reason"])
+    if same:
+        assert fin["tokens_differing"] == 0 and fin["not_compared"] == 0
+
+
 # -- 5. folding: a submodule on one side is the other side's inline code ------------------------------------------
 class _Block(torch.nn.Module):
     def __init__(self, inline: bool, eps: float):

@@ -124,8 +124,30 @@ class TraceTokens:
             return None
         return self.row_key(vid, got[0], got[1])
 
-    def rows_at(self, vid: int, root_cid: int, cells: np.ndarray):
-        """(dtype, row shape, fingerprints at `cells`, valid mask) of a value with rows, or None."""
+    @property
+    def branching(self) -> set:
+        """Keys of tokens followed by more than one token id in this trace (a GRPO group's prompt, sampled several
+        times): a row keyed by the token that predicts (a per-token logprob, "prevK") holds one value per
+        continuation there, so `where[key]`'s row is one continuation's of several."""
+        got = getattr(self, "_branching", None)
+        if got is None:
+            at: dict = {}
+            for g in self.index.grids.values():
+                if g.final is None:
+                    for k, sq, p in zip(g.keys, g.seq, g.pos):
+                        if k and sq >= 0:
+                            at[(sq, p)] = k
+            after: dict = {}
+            for (sq, p), k in at.items():
+                prev = at.get((sq, p - 1))
+                if prev is not None:
+                    after.setdefault(prev, set()).add(k)
+            got = self._branching = {k for k, nxt in after.items() if len(nxt) > 1}
+        return got
+
+    def rows_at(self, vid: int, root_cid: int, cells: np.ndarray, skip=None):
+        """(dtype, row shape, fingerprints at `cells`, valid mask) of a value with rows, or None. `skip`: a mask of
+        cells whose rows keyed by the predicting token ("prevK") are not compared (their token branches)."""
         import numpy as np
 
         e = self.index.index.get(vid)
@@ -139,6 +161,8 @@ class TraceTokens:
             rows = [layout.cell_row(code, g.shape, int(c)) for c in cells]
             valid = np.array([r is not None for r in rows], dtype=bool)
             idx = np.array([r if r is not None else 0 for r in rows], dtype=np.int64)
+            if skip is not None and code.startswith("prev"):
+                valid &= ~skip
         else:
             idx, valid = cells, np.ones(len(cells), dtype=bool)
         dtype, shape, _ = self.trace.vkey[vid]

@@ -97,10 +97,10 @@ def replay(d, out, mode: str = "full") -> int:
             for t in range(n):
                 per_step.setdefault(t, []).append((b, lps[t]))
         # ... declared as the rollout's final values (what the ledger holds), each of the token that predicts it: the
-        # prefill's last cell of its row (step 0), the decode step's row after; bisect compares them to the trainer's
+        # last cell of its sequence in that step's call; bisect compares them to the trainer's
         for t, got_t in sorted(per_step.items()):
-            rows = [b * width + width - 1 if t == 0 else b for b, _ in got_t]
-            rec.final(torch.stack([v for _, v in got_t]), rows=rows, kind="logprobs",
+            cells = rec.last_rows(call=t)
+            rec.final(torch.stack([v for _, v in got_t]), rows=[cells[b] for b, _ in got_t], kind="logprobs",
                       targets=[int(forced[b, t]) for b, _ in got_t], call=t)
     print(("PASSED" if same else "FAILED") + f": rollout replay of step {m['step']}: the sampled sequences and the "
           f"ledger's rollout logprobs {'reproduced bitwise' if same else 'NOT reproduced'}")

@@ -7,7 +7,9 @@ A token's final value is what its logprob is made of:
 - a logprob: a root output `[B, T-1]` (or the completion's `[B, K]`) of per-token log-probabilities, or logprobs
   declared with `rec.final(..., kind="logprobs")`; the value at the token at position p is the logprob of the
   token at p + 1 (keyed, like the logits row it comes from, by the token that predicts).
-Declared values win over what the root returns. Two logits rows, or two logprobs, compare bitwise by their row
+Declared values win over what the root returns: a trace that declares any final value with `rec.final` says which
+rows its final values are, and its other rows are none (a rollout declares the sampled tokens' logprobs; the prompt's
+logits rows it also computed are no logprobs it reports). Two logits rows, or two logprobs, compare bitwise by their row
 fingerprints. A logits row against a logprob is compared after deriving the logprob from the logits by one stated
 rule, DERIVATION (this needs the logits' values: full mode); a difference that shows only there is the
 derivation's, not an op's.
@@ -33,6 +35,9 @@ class FinalValue:
     kind: str  # "logits" | "logprobs"
     key: tuple  # the row's (dtype, (elements,), fingerprint)
     target: int | None = None  # logprobs: the id the value is the logprob of, where known
+    # logprobs: target id -> value, where one prefix has several continuations in the trace (a GRPO group samples
+    # several completions of one prompt: one token key, one logits row, a logprob per continuation)
+    alts: dict = field(default_factory=dict)
 
 
 def _kind_of(key: tuple) -> str:
@@ -45,6 +50,7 @@ def final_values(tok: TraceTokens) -> dict[int, FinalValue]:
     logits_module = (t.meta.get("engine") or {}).get("logits_module")
     out: dict[int, FinalValue] = {}
     declared: dict[int, FinalValue] = {}
+    nxt = None
     for cid in sorted(tok.index.grids):
         g = tok.index.grids[cid]
         call = t.calls.get(cid)
@@ -75,14 +81,18 @@ def final_values(tok: TraceTokens) -> dict[int, FinalValue]:
                 continue
             kind = g.final or _kind_of(key)
             target = g.next[cell] if g.final == "logprobs" and g.next else None
+            if kind == "logprobs" and target is None and g.final is None:  # the next token of the cell's sequence
+                nxt = next_ids(tok) if nxt is None else nxt
+                target = nxt.get((g.seq[cell], g.pos[cell] + 1))
             fv = FinalValue(cid, cell, vid, kind, key, target) if at == cid else \
                 FinalValue(at, tok.where[k][1], vid, kind, key, target)
-            if g.final is not None:
-                declared[k] = fv
-            elif k not in out:
-                out[k] = fv
-    out.update(declared)
-    return out
+            into = declared if g.final is not None else out
+            have = into.get(k)
+            if have is None:
+                into[k] = have = fv
+            if kind == "logprobs" and target is not None and have.kind == "logprobs":
+                have.alts.setdefault(target, fv)
+    return declared if declared else out
 
 
 def unattributed(tok: TraceTokens, finals: dict) -> list[str]:
@@ -138,7 +148,6 @@ class Finals:
 
 def compare_finals(sa: TraceTokens, sb: TraceTokens, shared: list, fin_a: dict, fin_b: dict) -> Finals:
     out = Finals()
-    nxt_a, nxt_b = None, None
     cache: dict = {}
     for k in shared:
         fa, fb = fin_a.get(k), fin_b.get(k)
@@ -148,23 +157,54 @@ def compare_finals(sa: TraceTokens, sb: TraceTokens, shared: list, fin_a: dict, 
             elif fb is not None:
                 out.only_b.append(k)
             continue
-        if fa.kind == fb.kind:
-            if fa.kind == "logprobs" and fa.target is not None and fb.target is not None and fa.target != fb.target:
-                out.not_compared.append((k, f"the logprobs are of other tokens (ids {fa.target} and {fb.target})"))
+        if fa.kind == fb.kind == "logprobs" and (len(fa.alts) > 1 or len(fb.alts) > 1):
+            pairs = [(fa.alts[t], fb.alts[t]) for t in sorted(set(fa.alts) & set(fb.alts))]
+            if not pairs:
+                out.not_compared.append((k, f"the logprobs are of other tokens (ids {sorted(fa.alts)[:4]} and "
+                                            f"{sorted(fb.alts)[:4]})"))
                 continue
-            (out.equal if fa.key == fb.key else out.differ).append(k)
-            continue
-        if nxt_a is None:
-            nxt_a, nxt_b = next_ids(sa), next_ids(sb)
-        got = _derived_pair(sa, sb, fa, fb, k, nxt_a, nxt_b, cache)
-        if isinstance(got, str):
-            out.not_compared.append((k, got))
-            continue
-        la, lb = got
-        out.derived.add(k)
-        out.logprob[k] = (float(la), float(lb))
-        (out.equal if _same_bits(la, lb) else out.differ).append(k)
+        elif fa.kind == "logprobs" and fb.kind == "logits" and len(fa.alts) > 1:
+            pairs = [(x, fb) for _, x in sorted(fa.alts.items())]
+        elif fb.kind == "logprobs" and fa.kind == "logits" and len(fb.alts) > 1:
+            pairs = [(fa, x) for _, x in sorted(fb.alts.items())]
+        else:
+            pairs = [(fa, fb)]
+        verdict = None
+        for xa, xb in pairs:  # every continuation both sides hold; the token differs if one of them does
+            one = _compare_one(sa, sb, xa, xb, k, out, cache)
+            if one is None or isinstance(one, str):
+                verdict = verdict or one
+                continue
+            verdict = "differ" if not one else (verdict if verdict == "differ" else "equal")
+            if not one:
+                fin_a[k], fin_b[k] = xa, xb  # the walk starts from the pair that differs
+                break
+        if verdict == "differ":
+            out.differ.append(k)
+        elif verdict == "equal":
+            out.equal.append(k)
+        else:
+            out.not_compared.append((k, verdict or "no final value to compare"))
     return out
+
+
+def _compare_one(sa, sb, fa: FinalValue, fb: FinalValue, k: int, out: Finals, cache: dict):
+    """True (bitwise equal) / False (differ) for one pair of final values, or why they cannot be compared."""
+    if fa.kind == fb.kind:
+        if fa.kind == "logprobs" and fa.target is not None and fb.target is not None and fa.target != fb.target:
+            return f"the logprobs are of other tokens (ids {fa.target} and {fb.target})"
+        return fa.key == fb.key
+    if "nxt" not in cache:
+        cache["nxt"] = (next_ids(sa), next_ids(sb))
+    got = _derived_pair(sa, sb, fa, fb, k, *cache["nxt"], cache)
+    if isinstance(got, str):
+        return got
+    la, lb = got
+    out.derived.add(k)
+    same = _same_bits(la, lb)
+    if k not in out.logprob or not same:
+        out.logprob[k] = (float(la), float(lb))
+    return same
 
 
 def _same_bits(x, y) -> bool:

@@ -39,10 +39,11 @@ class Sweep:
         return {label: sum(row.values()) for label, (_, row) in self.module_rows.items() if any(row.values())}
 
 
-def compare_rows(sa: TraceTokens, sb: TraceTokens, va: int, vb: int, ra: int, rb: int, cells_a, cells_b):
-    """(tokens whose rows differ, valid mask) for one value pair, or None when the values have no comparable rows."""
-    xa = sa.rows_at(va, ra, cells_a)
-    xb = sb.rows_at(vb, rb, cells_b)
+def compare_rows(sa: TraceTokens, sb: TraceTokens, va: int, vb: int, ra: int, rb: int, cells_a, cells_b, skip=None):
+    """(tokens whose rows differ, valid mask) for one value pair, or None when the values have no comparable rows.
+    `skip`: tokens that branch on either side, whose per-continuation rows are compared as final values only."""
+    xa = sa.rows_at(va, ra, cells_a, skip)
+    xb = sb.rows_at(vb, rb, cells_b, skip)
     if xa is None or xb is None or tuple(xa[1]) != tuple(xb[1]):
         return None
     valid = xa[3] & xb[3]
@@ -63,6 +64,8 @@ def sweep(sa: TraceTokens, sb: TraceTokens, groups: dict, views: TokenViews, tol
         cells_a = np.array([c for _, c, _ in toks], dtype=np.int64)
         cells_b = np.array([c for _, _, c in toks], dtype=np.int64)
         n = len(toks)
+        branch = sa.branching | sb.branching
+        skip = np.array([k in branch for k in keys], dtype=bool) if branch else None
         order = sa.order(ra)
         pairs = [(ca, cb) for ca in sorted(va.calls.values(), key=lambda c: c.enter_index)
                  if (cb := pairing.partner(ca)) is not None]
@@ -72,7 +75,7 @@ def sweep(sa: TraceTokens, sb: TraceTokens, groups: dict, views: TokenViews, tol
         def rows(items_a, items_b):
             bad, seen = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
             for _, xa, xb in cmp.pairs(items_a, items_b):
-                got = compare_rows(sa, sb, xa, xb, ra, rb, cells_a, cells_b)
+                got = compare_rows(sa, sb, xa, xb, ra, rb, cells_a, cells_b, skip)
                 if got is not None:
                     bad |= got[0]
                     seen |= got[1]
@@ -112,7 +115,7 @@ def sweep(sa: TraceTokens, sb: TraceTokens, groups: dict, views: TokenViews, tol
                     for xa, xb in zip(oa, ob):
                         if xa in undef_a and xb in undef_b:
                             continue
-                        got = compare_rows(sa, sb, xa, xb, ra, rb, cells_a, cells_b)
+                        got = compare_rows(sa, sb, xa, xb, ra, rb, cells_a, cells_b, skip)
                         if got is not None:
                             op_bad |= got[0]
                             out.compared += int(got[1].sum())

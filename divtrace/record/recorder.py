@@ -130,7 +130,8 @@ class Recorder:
         """Declare the final values of the last model call: the logits rows (or per-token logprobs) that an
         engine or a fused head computes for some of its token rows only, so that bisect compares them per token.
         `values` holds one row per entry of `rows`, the cells (row-major indices into the last root call's token
-        rows, in the order rec.tokens declared them) the values belong to; `rows=None` means every cell in order.
+        rows, in the order rec.tokens declared them) the values belong to; `rows=None` means every cell in order,
+        `rows="last"` the last cell of each sequence, in the order the sequences first appear (a generate step's).
         `kind` is "logits" ([R, V]: the row predicts the token after the cell) or "logprobs" ([R]: the logprob of
         the token after the cell; `targets` may give those ids); by default logits for 2-D values, else logprobs.
         `call`: the number of the root call whose token rows `rows` index (default: the last one), for values
@@ -144,6 +145,15 @@ class Recorder:
                 rec.final(logits, rows=last_row_of_each_sequence)
         """
         self.token_rows.final(self.calls, values, rows, kind, targets, call)
+
+    def last_rows(self, call=None) -> list[int]:
+        """The cells (rows for rec.final) of the last token of each sequence in the last root call (or root call
+        number `call`), in the order the sequences first appear: a generate step's predicting rows. Example::
+
+            cells = rec.last_rows(call=step)
+            rec.final(step_logprobs[alive], rows=[cells[b] for b in alive], kind="logprobs", call=step)
+        """
+        return self.token_rows.last_rows(call)
 
     def __exit__(self, exc_type, exc, tb):
         try:

@@ -151,7 +151,10 @@ class TokenRows:
         if g is None:
             raise DivtraceError(f"{where}: no root call with token rows has ended yet: call it after the model call "
                                 "whose tokens the values belong to (declare them with rec.tokens, or an HF-style call)")
-        cells = _int_list(rows, where, "rows") if rows is not None else list(range(len(g.keys)))
+        if isinstance(rows, str) and rows == "last":
+            cells = _last_cells(g)
+        else:
+            cells = _int_list(rows, where, "rows") if rows is not None else list(range(len(g.keys)))
         if t.dim() == 0 or t.shape[0] != len(cells):
             raise DivtraceError(f"{where}: values of shape {list(t.shape)} hold {t.shape[0] if t.dim() else 0} rows, "
                                 f"but {len(cells)} rows were named; give one row of values per cell")
@@ -176,8 +179,26 @@ class TokenRows:
 
         calls.pseudo_call(FINAL, grid_for, t, f"out.{kind}")
 
+    def last_rows(self, call=None) -> list[int]:
+        """rec.last_rows: the last cell of each sequence in the last root call's token grid (or root call number
+        `call`), in the order the sequences first appear."""
+        g = self.last_grid if call is None else self.grids_by_call.get(call)
+        if g is None:
+            raise DivtraceError(f"rec.last_rows: {'no root call with token rows has ended yet' if call is None else f'root call {call} has no token rows'}")
+        return _last_cells(g)
+
     def close(self) -> dict | None:
         """Close the token files: meta.json's `tokens` summary (None when there is none to give)."""
         tokens = self.store.close() if self.store is not None else None
         self.warnings.extend(w for w in self.tracker.warnings if w not in self.warnings)
         return tokens
+
+
+def _last_cells(g) -> list[int]:
+    """The last cell of each sequence of a grid, in the order the sequences first appear (a generate step's
+    predicting rows)."""
+    last: dict = {}
+    for c, sq in enumerate(g.seq):
+        if sq >= 0:
+            last[sq] = c
+    return list(last.values())
