@@ -117,11 +117,14 @@ def bisect(
     Comparison is bitwise (dtype, shape and raw bytes; -0.0 != 0.0, NaNs by their bits) unless --atol,
     --rtol or --ulp is given. Exit 0 identical (both traces complete, final outputs compared and equal),
     1 diverged, 2 bad input, 3 inconclusive (a trace stopped early or holds computation divtrace did not see,
-    and nothing diverged before: the INCONCLUSIVE line says why and what to do).
+    and nothing diverged before: the INCONCLUSIVE line says why and what to do), 4 absorbed (token alignment:
+    every final value bitwise equal, internal differences that never reach them; no origin).
 
     Traces that carry token identity (HF-style calls, or rec.tokens declarations) are aligned token by token
-    when their calls differ: each shared token's rows are compared in every module and op, and the report names
-    the first diverging token, the rows each side's op ran over, and the batch-size cause where it applies.
+    when their calls differ. The final values (logits rows, logprobs) are always compared and lead the report
+    (`FAILED: logprobs differ on K of N tokens; first divergence originates in ...`); an origin is only a
+    difference that reaches a differing final value. The report names the first diverging token, the rows each
+    side's op ran over, the batch-size cause where it applies, and every independent origin.
 
     \b
     Examples:
