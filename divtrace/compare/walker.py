@@ -227,8 +227,8 @@ class OriginWalker:
         root_a = functools.cache(lambda: self._span_hashes(self.a, self._root_of(self.a, ca)))
         d.outside_input = (self._outside_input(self.a, ca, reg_a, root_b, "a", "b")
                            or self._outside_input(self.b, cb, reg_b, root_a, "b", "a"))
-        part_a = self._parting(self.a, reg_a, ca.ops)
-        part_b = self._parting(self.b, reg_b, cb.ops)
+        part_a = self._parting(self.a, reg_a, ca, va)
+        part_b = self._parting(self.b, reg_b, cb, vb)
         if part_a is None and part_b is None:
             return d
         d.kind = "op"
@@ -266,13 +266,15 @@ class OriginWalker:
         return None
 
     @staticmethod
-    def _parting(t: Trace, region: list[int], own: list[int]) -> int | None:
+    def _parting(t: Trace, region: list[int], call, value) -> int | None:
+        own = call.ops
         memo: dict = {}
         scope = set(own)
         data = [i for i in region if not constant_derived(t, i, memo, scope)]
-        if not region and own:
-            # The differing value was made by no op of the call (an engine adapter's derived output, such as vLLM's
+        if not region and own and value not in t.vprod and any(v == value for _, v in call.outputs):
+            # The differing output was made by no op of the call (an engine adapter's derived output, such as vLLM's
             # q block of its fused qkv_proj): the call's own computing op that ran last made what it derives from.
+            # (A differing child input no op made, a model input passed on, stays the input.)
             last = [i for i in own if computing(t.rop[i], t.rin[i], t.rout[i], t)]
             return last[-1] if last else None
         return next((i for i in data if computing(t.rop[i], t.rin[i], t.rout[i], t)), (data or region or [None])[0])
