@@ -78,15 +78,20 @@ class TokenStoreWriter:
         self.flush()
 
     def flush(self) -> None:
-        if self._bin:
-            os.write(self._fd(ROWS_BIN), b"".join(self._bin))
-            self._bin.clear()
-        if self._index:
-            os.write(self._fd(ROWS_INDEX), ("\n".join(self._index) + "\n").encode())
-            self._index.clear()
-        if self._tokens:
-            os.write(self._fd(TOKENS), ("\n".join(self._tokens) + "\n").encode())
-            self._tokens.clear()
+        self.write_parts(self._bin, self._index, self._tokens)
+
+    def write_parts(self, bins: list, index: list, tokens: list) -> None:
+        """Append row bytes, then rows.jsonl lines, then tokens.jsonl lines (bytes before the lines that point at
+        them); each list is emptied once written. (The device path's store calls it from the writer thread.)"""
+        if bins:
+            os.write(self._fd(ROWS_BIN), b"".join(bins))
+            bins.clear()
+        if index:
+            os.write(self._fd(ROWS_INDEX), ("\n".join(index) + "\n").encode())
+            index.clear()
+        if tokens:
+            os.write(self._fd(TOKENS), ("\n".join(tokens) + "\n").encode())
+            tokens.clear()
 
     def close(self) -> dict:
         try:

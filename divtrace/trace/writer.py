@@ -41,14 +41,17 @@ from divtrace.trace.shards import ShardStore
 _ENCODE = compact_encoder()
 
 
-def _record_line(rec, values: list[TensorValue]) -> str:
-    # Records and values are flat dataclasses of JSON-ready fields (stats were made safe when taken), so
-    # record_compact reads their fields directly: dataclasses.asdict deep-copies and was a third of the cost.
-    d = record_compact(rec, values)
+def _encode_line(d: dict) -> str:
     try:
         return _ENCODE(d)
     except ValueError:  # a non-finite float slipped into an op argument
         return _ENCODE(json_safe(d))
+
+
+def _record_line(rec, values: list[TensorValue]) -> str:
+    # Records and values are flat dataclasses of JSON-ready fields (stats were made safe when taken), so
+    # record_compact reads their fields directly: dataclasses.asdict deep-copies and was a third of the cost.
+    return _encode_line(record_compact(rec, values))
 
 
 class TraceWriter:
@@ -78,6 +81,7 @@ class TraceWriter:
         self.n_written = 0  # records on disk
         self.store_seconds = 0.0  # full mode: time spent writing values' bytes and finishing shards (the write path)
         self.failed: str | None = None  # set when a write failed; nothing more is written after that
+        self.device = None  # the device path (device_writer.DeviceWriting), from use_device()
         self._closed = False
         fds = []
         try:
@@ -119,6 +123,15 @@ class TraceWriter:
             text = readable_json(json_safe(self.meta))
         atomic_write_bytes(self.path / META, (text + "\n").encode(), durable)
 
+    def use_device(self, forced: bool = False):
+        """Write through the device path from now on: values on a device are fingerprinted there and records are
+        written by a writer thread (divtrace.trace.device_writer); `forced` sends CPU tensors that way too (tests
+        run the device path's code on the CPU). Returns it."""
+        from divtrace.trace.device_writer import DeviceWriting
+
+        self.device = DeviceWriting(self, forced)
+        return self.device
+
     # values ---------------------------------------------------------------------------------------------
     def is_buffered(self, vid: int) -> bool:
         """Whether the record defining `vid` is still in memory (not yet written), so it may be amended."""
@@ -132,6 +145,8 @@ class TraceWriter:
     def new_value(self, t: torch.Tensor, producer: int | None, fp: tuple[str, dict] | None = None) -> TensorValue:
         """Fingerprint `t` now (and, in full mode, write its bytes into the open shard), returning its new
         value. `fp` is `fingerprint(t)` when the caller has just taken it."""
+        if self.device is not None and fp is None and (self.device.forced or not t.is_cpu):
+            return self.device.new_value(t, producer)
         src = t
         if self.mode == "full" and fp is None and not (t.is_cpu and t.is_contiguous()):
             # The bytes must be made contiguous (and on the CPU) to be written anyway: torch's copy is
@@ -167,6 +182,15 @@ class TraceWriter:
             self.store_seconds += time.perf_counter() - t0
 
     @property
+    def blobs(self) -> dict:
+        """Full mode: blob key -> the shard it is in."""
+        return self._shards.blobs
+
+    @property
+    def shard_bytes(self) -> int:
+        return self._shard_bytes
+
+    @property
     def bytes_written(self) -> int:
         """Bytes of records.jsonl and of the finished shards written."""
         return self._records_size + self._shards.bytes_written
@@ -181,21 +205,26 @@ class TraceWriter:
         self._pending_records.append((rec, values))
         self.n_records += 1
         if len(self._pending_records) >= self._flush_records or (
-                self._shards.open is not None and self._shards.open.size >= self._shard_bytes):
+                self._shards.open is not None and self._shards.open.size >= self._shard_bytes) or (
+                self.device is not None and self.device.staged_bytes >= self._shard_bytes):
             self.flush()
 
     def flush(self) -> None:
         """Finish the open shard, then write the pending records after it."""
         if self.failed:
             return
+        if self.device is not None:  # the writer thread writes, once the values' device results have landed
+            self.device.check()
+            records = self._pending_records
+            if records:
+                self._written_vids_below = self._next_vid
+                self._pending_records = []
+                self.device.submit_records(records, len(records))
+            return
         self.critical = True
         try:
             if self._shards.open is not None:
-                t0 = time.perf_counter()
-                try:
-                    self._shards.finish()
-                finally:
-                    self.store_seconds += time.perf_counter() - t0
+                self._finish_shard()
             data = self._take_records()
             if data is not None:
                 self._write_records(*data)
@@ -224,6 +253,31 @@ class TraceWriter:
         self._written_vids_below = self._next_vid
         self._pending_records = []
         return data, n
+
+    encode_record = staticmethod(_encode_line)
+
+    def write_record_lines(self, data: bytes, n: int) -> None:
+        """(the device path's writer thread) Finish the open shard, then append `n` records' lines."""
+        if self.failed:
+            return
+        try:
+            if self._shards.open is not None:
+                self._finish_shard()
+            self._write_records(data, n)
+        except OSError as e:
+            self._fail(e)
+
+    def store_blob(self, key: str, t: torch.Tensor) -> str:
+        """(the device path's writer thread) The shard holding blob `key`, writing `t`'s bytes there if new."""
+        shard = self._shards.blobs.get(key)
+        return shard if shard is not None else self._store(key, t)
+
+    def _finish_shard(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._shards.finish()
+        finally:
+            self.store_seconds += time.perf_counter() - t0
 
     def _write_records(self, data: bytes, n: int) -> None:
         """The records checksum line, then the records."""
@@ -257,6 +311,14 @@ class TraceWriter:
                     pass
             raise
 
+    def _close_device(self, extra: dict) -> dict:
+        figures = self.device.close()
+        late = self.device.late_warnings
+        if late:
+            warnings = list(extra.get("warnings") or [])
+            extra = dict(extra, warnings=warnings + [w for w in late if w not in warnings])
+        return dict(extra, device_path=figures)
+
     def close(self, status: str = "complete", error: str | None = None, **extra) -> None:
         """Flush everything and mark the trace; `status` other than "complete" marks it incomplete."""
         if self._closed:
@@ -267,6 +329,10 @@ class TraceWriter:
             self.flush()
         except BaseException as e:  # a failed write, or a signal held during the last write
             flush_error = e
+        if self.device is not None:  # every job run, the thread stopped: nothing writes after this
+            extra = self._close_device(extra)
+            if flush_error is None:
+                flush_error = self.device.thread.error
         self._shards.discard()  # not finished (the flush failed): no records point to it, leave no temp file
         if self.failed:
             status, error = "error", self.failed

@@ -1,0 +1,163 @@
+"""Recording on a device without waiting for it: the recorder's side of the trace writer's device path.
+
+A model on a device (CUDA, or any device other than the CPU) is recorded through `TraceWriter.use_device`
+(divtrace.trace.device_writer): fingerprints, summary statistics and token-row fingerprints are computed on the
+device and come to the host in batches, on a writer thread. Inside the recorded block the host reads nothing
+of the device but what token identity needs: the root call's input ids, attention mask and positions, once per
+root call (divtrace.record.token_identity).
+
+`DeviceTokenStore` is the token files' writer for that path: rows whose fingerprints are still on the device, and
+the rows of provisional values (divtrace.record.values: a value whose identity its bytes decide), get their
+offsets in rows.bin on the writer thread, where a provisional value that turns out to be the old one loses its
+rows as the CPU path never made them.
+
+`forced_device_path()` (internal, for tests) sends CPU tensors down the same path, so the device path's code runs
+on the CPU, where a test can trap every host read it would make.
+
+In: the Recorder at the start of its block. Out: the trace writer's device path and the token store it uses.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+from divtrace.record.token_store import TokenStoreWriter
+
+_FORCED = threading.local()
+
+
+@contextlib.contextmanager
+def forced_device_path():
+    """Within, recordings started on this thread take the device path for CPU tensors too (tests and benches:
+    the device path's code, run where no device is)."""
+    saved = getattr(_FORCED, "on", False)
+    _FORCED.on = True
+    try:
+        yield
+    finally:
+        _FORCED.on = saved
+
+
+def wants_device_path(device: str) -> bool:
+    """Whether a recording of a model whose first parameter is on `device` takes the device path."""
+    return getattr(_FORCED, "on", False) or not device.startswith("cpu")
+
+
+def attach(writer, token_rows) -> None:
+    """Put a recording's writer and token rows on the device path (at the start of the block)."""
+    device = writer.use_device(forced=getattr(_FORCED, "on", False))
+    token_rows.device = device
+    if token_rows.store is not None:
+        token_rows.store = DeviceTokenStore(writer.path, device)
+
+
+class _Entry:
+    """One rows.jsonl line to be: `src` is None (rows not compared), the row fingerprints (bytes, a numpy array or
+    a PendingRows) or another _Entry whose rows these are (a view holding the same rows)."""
+
+    __slots__ = ("vid", "call_id", "code", "src", "offset", "deleted", "fallback")
+
+    def __init__(self, vid, call_id, code, src):
+        self.vid, self.call_id, self.code, self.src = vid, call_id, code, src
+        self.offset = -1
+        self.deleted = False
+        self.fallback = None  # deleted: the old value's entry that a view of it points at instead
+
+
+class DeviceTokenStore(TokenStoreWriter):
+    """The token files' writer on the device path: entries resolved and written by the trace writer's thread."""
+
+    def __init__(self, path, device):
+        super().__init__(path)
+        self._device = device
+        self._entries: list[_Entry] = []
+        self._marks: dict[int, tuple] = {}  # provisional vid -> (keep its rows if dropped, the old value's entry)
+        self.write_error: OSError | None = None
+
+    def provisional(self, vid: int, old_vid: int, keep: bool) -> None:
+        """`vid` is a provisional value standing for `old_vid`'s bytes (divtrace.record.values): if they turn out
+        the old ones, its rows are kept as `old_vid`'s (`keep`: the CPU path would hash them now) or dropped."""
+        cur = self.current.get(old_vid)
+        self._marks[vid] = (keep, cur[1] if cur is not None else None)
+
+    def add_rows(self, vid: int, call_id: int, code: str, hashes) -> None:
+        e = _Entry(vid, call_id, code, hashes)
+        self._entries.append(e)
+        if hashes is not None:
+            self.current[vid] = (code, e)
+
+    def add_rows_ref(self, vid: int, call_id: int, code: str, offset) -> None:
+        e = _Entry(vid, call_id, code, offset)  # (here `current` holds entries, so `offset` is the target's)
+        self._entries.append(e)
+        self.current[vid] = (code, e)
+
+    def flush(self) -> None:
+        if not (self._entries or self._tokens):
+            return
+        entries, self._entries = self._entries, []
+        tokens, self._tokens = self._tokens, []
+        self._device.submit(lambda upto: self._write(entries, tokens, upto))
+
+    def close(self) -> dict:
+        self.flush()
+        self._device.wait_idle()
+        if self.write_error is not None:
+            self._fds_close()
+            raise self.write_error
+        return super().close()
+
+    def _fds_close(self) -> None:
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+
+    # writer thread ----------------------------------------------------------------------------------------
+    def _write(self, entries: list[_Entry], tokens: list[str], upto: int) -> None:
+        if self.write_error is not None:
+            return
+        ren = self._device.renumbering
+        ren.settle(upto)
+        final = ren.final
+        bins, index = [], []
+        for e in entries:
+            mark = self._marks.pop(e.vid, None)
+            if mark is not None and e.vid in ren.alias and not mark[0]:
+                e.deleted, e.fallback = True, mark[1]  # its bytes were the old value's: the CPU path made no rows
+                continue
+            src = e.src
+            if src is None:
+                index.append(f'[{final(e.vid)},{e.call_id},"{e.code}",-1]')
+                self.unrowed[e.code] = self.unrowed.get(e.code, 0) + 1
+                continue
+            if type(src) is _Entry:
+                target = src
+                while target is not None and target.deleted:
+                    target = target.fallback
+                if target is not None:
+                    e.offset = target.offset
+                    index.append(f'[{final(e.vid)},{e.call_id},"{e.code}",{e.offset}]')
+                    self.shared += 1
+                    continue
+                src = _rows_of(src)  # the rows it pointed at were dropped, with nothing to stand for them: its own
+            data = src.bytes() if hasattr(src, "slot") else src if type(src) is bytes else \
+                src.astype("<u8", copy=False).tobytes()
+            e.src, e.offset = data, self.rows
+            index.append(f'[{final(e.vid)},{e.call_id},"{e.code}",{self.rows}]')
+            bins.append(data)
+            self.rows += len(data) >> 3
+            self.values += 1
+        try:
+            self.write_parts(bins, index, tokens)
+        except OSError as err:  # said at close, as the CPU path's store says it (token_rows.TokenRows.close)
+            self.write_error = err
+
+
+def _rows_of(e: _Entry):
+    """The row fingerprints an entry holds or points at (resolved on the writer thread)."""
+    while type(e.src) is _Entry:
+        e = e.src
+    return e.src

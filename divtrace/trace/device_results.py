@@ -1,0 +1,301 @@
+"""Results computed on a device that reach the host later, so a recorded block never waits for its device.
+
+A value recorded on a device gets its fingerprint (and summary statistics, and token-row fingerprints) computed
+there by torch ops that read nothing back (divtrace.trace.hashing), as a few int64 words on the device. Those
+words are gathered per device into a batch (`DeviceBatches.add` gives a `Slot`); a sealed batch is concatenated
+on the device and copied to a host buffer in ONE asynchronous copy on the producing stream (pinned memory, an
+event recorded after it). A writer thread (`WriterThread`) waits for the event, never the recording thread, and
+then turns the slots into the trace's lines (`PendingValue.hex`, `.stats`).
+
+Staging is bounded: `ring` host buffers of `words` int64 each are reused; when all are in flight the recording
+thread waits for the oldest (counted in `waits` and `wait_seconds`, reported in meta.json). The same code runs on
+CPU tensors when the device path is forced (tests): the copy is then an ordinary copy and there is no event.
+
+In: int64 device tensors from the trace writer (values) and the recorder (token rows). Out: host words, read by
+the trace writer's thread when it writes records.jsonl and the token files.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+
+import torch
+
+from divtrace.trace.hashing.spec import to_hex
+
+_STATS_WORDS = 5  # min, max, sum of the finite values (float64), finite and NaN counts (float64 too)
+
+
+class Slot:
+    """`length` int64 words at `offset` of a batch, readable (`words`) once the batch has landed."""
+
+    __slots__ = ("batch", "offset", "length")
+
+    def __init__(self, batch, offset: int, length: int):
+        self.batch, self.offset, self.length = batch, offset, length
+
+    def words(self):
+        """The slot's words as a numpy int64 array (writer thread, after the batch landed)."""
+        return self.batch.landed[self.offset:self.offset + self.length]
+
+
+class Batch:
+    """The words of one device, gathered until sealed, then copied to the host in one copy."""
+
+    __slots__ = ("parts", "size", "host", "event", "landed", "owner")
+
+    def __init__(self, owner):
+        self.parts: list[torch.Tensor] = []
+        self.size = 0
+        self.host = self.event = self.landed = None
+        self.owner = owner
+
+    def land(self) -> None:
+        """Wait for the copy (writer thread, or a recording thread that needs its buffer) and keep the words; the
+        host buffer goes back to the ring."""
+        with self.owner.landing:
+            if self.landed is not None:
+                return
+            if self.event is not None:
+                self.event.synchronize()
+            self.landed = self.host[:self.size].numpy().copy()
+            host, self.host, self.event = self.host, None, None
+        self.owner.give_back(host)
+
+
+class DeviceBatches:
+    """The open batch of each device, and the bounded ring of host buffers they are copied into."""
+
+    def __init__(self, words: int = 1 << 16, ring: int = 8):
+        self.words, self.ring = words, ring
+        self._open: dict = {}  # device -> Batch
+        self._free: dict = {}  # pinned: bool -> [host buffers]
+        self._made = 0
+        self._sealed: list[Batch] = []  # sealed since the last seal(): handed to the next job
+        self._flying: list[Batch] = []  # sealed, maybe not landed yet (oldest first): what a full ring waits for
+        self._lock = threading.Lock()
+        self.landing = threading.Lock()
+        self.waits = 0  # times the recording thread waited for a free host buffer
+        self.wait_seconds = 0.0
+        self.batches = 0
+        self.words_copied = 0
+
+    def add(self, x: torch.Tensor) -> Slot:
+        """Queue the int64 words of `x` (1-D, on its device) for the host."""
+        dev = x.device
+        b = self._open.get(dev)
+        if b is None:
+            b = self._open[dev] = Batch(self)
+        s = Slot(b, b.size, x.shape[0])
+        b.parts.append(x)
+        b.size += x.shape[0]
+        if b.size >= self.words:
+            self._seal(dev, b)
+        return s
+
+    def seal(self) -> list[Batch]:
+        """Seal every open batch (its copy enqueued); the batches sealed since the last call, to land later."""
+        for dev, b in list(self._open.items()):
+            self._seal(dev, b)
+        out, self._sealed = self._sealed, []
+        return out
+
+    def _seal(self, dev, b: Batch) -> None:
+        del self._open[dev]
+        if not b.size:
+            return
+        words = b.parts[0] if len(b.parts) == 1 else torch.cat(b.parts)
+        b.parts = []
+        b.host = self._buffer(b.size, dev.type == "cuda")
+        # Enqueued on the current (producing) stream: ordered after the ops that made the words, and before
+        # any later in-place write to the tensors they were computed from.
+        b.host[:b.size].copy_(words, non_blocking=True)
+        if dev.type == "cuda":
+            b.event = torch.cuda.Event()
+            b.event.record()
+        self.batches += 1
+        self.words_copied += b.size
+        self._sealed.append(b)
+        self._flying = [x for x in self._flying if x.landed is None]
+        self._flying.append(b)
+
+    def _buffer(self, n: int, pinned: bool) -> torch.Tensor:
+        if n > self.words:  # (an oversized batch: a long row list) a buffer of its own, not kept
+            return torch.empty(n, dtype=torch.int64, pin_memory=pinned)
+        with self._lock:
+            free = self._free.setdefault(pinned, [])
+            if free:
+                return free.pop()
+            if self._made < self.ring:
+                self._made += 1
+                return torch.empty(self.words, dtype=torch.int64, pin_memory=pinned)
+        # Staging is full: wait for the oldest batch in flight (counted; the writer thread lands it too).
+        t0 = time.perf_counter()
+        self.waits += 1
+        while True:
+            oldest = next((b for b in self._flying if b.landed is None), None)
+            if oldest is not None:
+                oldest.land()
+            with self._lock:
+                if free:
+                    self.wait_seconds += time.perf_counter() - t0
+                    return free.pop()
+            if oldest is None:  # (every buffer is held by a batch the writer thread is landing)
+                time.sleep(0.0002)
+
+    def give_back(self, host: torch.Tensor) -> None:
+        if host.shape[0] == self.words:
+            with self._lock:
+                self._free.setdefault(host.is_pinned(), []).append(host)
+
+    def summary(self) -> dict:
+        return {"batches": self.batches, "words": self.words_copied, "staging_waits": self.waits,
+                "staging_wait_seconds": round(self.wait_seconds, 6), "staging_buffers": self._made,
+                "staging_bytes": self._made * self.words * 8}
+
+
+def device_words(t: torch.Tensor, fingerprint, stats: bool) -> torch.Tensor:
+    """int64 words on `t`'s device: its fingerprint (2), then, for floating dtypes with `stats`, the finite values'
+    min, max and sum and the finite and NaN counts (float64 bits). Nothing is read back."""
+    fp = fingerprint(t)
+    if not (stats and t.is_floating_point() and t.numel()):
+        return fp
+    x = t.detach()
+    if x.element_size() == 1:  # fp8 has few kernels
+        x = x.float()
+    x = x.reshape(-1)
+    fin = torch.isfinite(x)
+    lo = torch.where(fin, x, math.inf).amin()
+    hi = torch.where(fin, x, -math.inf).amax()
+    total = torch.where(fin, x, 0).sum(dtype=torch.float64)
+    counts = torch.stack([fin.sum(), torch.isnan(x).sum()])
+    st = torch.cat([torch.stack([lo, hi]).double(), total.reshape(1), counts.double()])
+    return torch.cat([fp, st.view(torch.int64)])
+
+
+class PendingValue:
+    """The fingerprint and statistics of one value, in a slot (`device_words`'s layout), resolved once."""
+
+    __slots__ = ("slot", "numel", "float", "staged", "_hex", "_stats")
+
+    def __init__(self, slot: Slot, numel: int, is_float: bool):
+        self.slot, self.numel, self.float = slot, numel, is_float
+        self.staged = None  # full mode: the value's bytes on their way to the host (device_writer.StagedBytes)
+        self._hex = self._stats = None
+
+    def hex(self) -> str:
+        if self._hex is None:
+            self._resolve()
+        return self._hex
+
+    def stats(self) -> dict:
+        if self._hex is None:
+            self._resolve()
+        return self._stats
+
+    def _resolve(self) -> None:
+        w = self.slot.words()
+        stats = {}
+        if w.shape[0] > 2:
+            lo, hi, total, finite, nan = (float(x) for x in w[2:2 + _STATS_WORDS].view("<f8"))
+            finite, nan = int(finite), int(nan)
+            stats = summary_from(lo, hi, total, finite, nan, self.numel - finite - nan)
+        self._stats = stats
+        self._hex = to_hex(int(w[0]), int(w[1]))
+
+
+def summary_from(lo: float, hi: float, total: float, finite: int, nan: int, inf: int) -> dict:
+    """The summary stats dict, as the CPU kernel's (divtrace.trace.hashing.base.finish_stats) gives it."""
+    if not finite:
+        return {"min": "nan", "max": "nan", "mean": "nan", "absmax": "nan", "nan": nan, "inf": inf}
+    mean = total / finite
+    if not math.isfinite(mean):
+        mean = repr(mean)
+    return {"min": lo, "max": hi, "mean": mean, "absmax": max(-lo, hi), "nan": nan, "inf": inf}
+
+
+class PendingRows:
+    """The token-row fingerprints of one value, in a slot: rows.bin's bytes once landed."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: Slot):
+        self.slot = slot
+
+    def __len__(self) -> int:
+        return self.slot.length
+
+    def bytes(self) -> bytes:
+        return self.slot.words().astype("<i8", copy=False).tobytes()
+
+
+class PendingDerived:
+    """A derived view's fingerprint (divtrace.trace.derived_views) whose source fingerprint is still pending: the
+    source's hash as it was when the view was made (a str or a pending one), resolved on the writer thread."""
+
+    __slots__ = ("src", "args", "_hex")
+
+    def __init__(self, src, *args):
+        self.src, self.args, self._hex = src, args, None
+
+    def hex(self) -> str:
+        if self._hex is None:
+            from divtrace.trace.derived_views import view_fingerprint
+
+            op, dtype, src_shape, shape, enc_args, enc_kwargs = self.args
+            self._hex = view_fingerprint(op, hex_of(self.src), dtype, src_shape, shape, enc_args, enc_kwargs)
+        return self._hex
+
+
+def hex_of(h) -> str:
+    """A value's hash field as its hex: a str as it is, a pending one resolved."""
+    return h if type(h) is str else h.hex()
+
+
+def stats_of(st) -> dict:
+    return st if type(st) is dict else st.stats()
+
+
+class WriterThread:
+    """Runs jobs in order on one thread: each lands its batches first (waits for their copies), then writes. The
+    first error stops it; `check` raises it on the recording thread."""
+
+    def __init__(self, name: str = "divtrace-writer"):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.busy_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, batches: list[Batch], fn, always: bool = False) -> None:
+        """Queue `fn` to run after `batches` landed; `always`: run it even after an error (a marker)."""
+        self._q.put((batches, fn, always))
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            if self.error is not None:
+                if job[2]:
+                    job[1]()
+                continue
+            t0 = time.perf_counter()
+            try:
+                for b in job[0]:
+                    b.land()
+                job[1]()
+            except BaseException as e:  # (kept for the recording thread: raised there by check)
+                self.error = e
+            self.busy_seconds += time.perf_counter() - t0
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def drain(self) -> None:
+        """Run every job submitted so far, then stop the thread."""
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()

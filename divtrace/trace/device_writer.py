@@ -1,0 +1,269 @@
+"""The trace writer's device path: values fingerprinted on their device, records written by a writer thread.
+
+A value on a device (or any value, when the device path is forced) gets a `PendingValue` for its hash and stats:
+its words are computed by torch ops on the device and reach the host in batches (divtrace.trace.device_results).
+A flush hands the pending records to the writer thread, which waits for their batches, resolves every value's
+hash and stats and writes exactly the lines the CPU path writes for the same tensors.
+
+Where the CPU path decides a value's identity from its bytes (a tensor met again whose version moved, an inference
+tensor without a version counter, a buffer written behind torch's back: divtrace.record.values), the device path
+cannot read them without waiting. It records a provisional new value (`Provisional`) and lets the writer thread
+decide: when its fingerprint equals the old value's, the new value is dropped from its record and every later vid
+is renumbered (`Renumbering`), so the lines are the CPU path's again.
+
+In: values and records from the recorder through TraceWriter. Out: records.jsonl lines, through TraceWriter's own
+checksummed append.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from bisect import bisect_left
+
+import torch
+
+from divtrace.trace.device_results import (DeviceBatches, PendingRows, PendingValue, WriterThread, device_words,
+                                           hex_of, stats_of)
+from divtrace.trace.hashing.rows import row_fingerprints
+from divtrace.trace.fingerprint import dtype_name, flat_bytes
+from divtrace.trace.hashing.tensor import tensor_fingerprint
+from divtrace.trace.records import TensorValue, record_compact
+
+
+class Renumbering:
+    """Which provisional values were dropped (their bytes were the old value's) and the vids after them, settled on
+    the writer thread in vid order."""
+
+    def __init__(self, items: list, warnings_out: list):
+        self.items = items  # (vid, new value, old value, warning if changed), appended by the recording thread
+        self.warnings = warnings_out
+        self.done = 0
+        self.dropped: list[int] = []  # provisional vids dropped, ascending
+        self.alias: dict[int, int] = {}  # dropped vid -> the final vid it stands for
+
+    def settle(self, upto: int) -> None:
+        for vid, new, old, warn in self.items[self.done:upto]:
+            if hex_of(new.hash) == hex_of(old.hash):
+                self.alias[vid] = self.final(old.vid)
+                self.dropped.append(vid)
+            elif warn is not None and warn not in self.warnings and len(self.warnings) < 100:
+                self.warnings.append(warn)
+        self.done = max(self.done, upto)
+
+    def final(self, vid: int) -> int:
+        if not self.dropped:
+            return vid
+        a = self.alias.get(vid)
+        return a if a is not None else vid - bisect_left(self.dropped, vid)
+
+    def record(self, d: dict) -> dict:
+        """A compact record (records.record_compact) with every vid made final."""
+        f = self.final
+        k = d["k"]
+        if k == "e":
+            d["in"] = [[key, f(v)] for key, v in d["in"]]
+        elif k == "x":
+            d["out"] = [[key, f(v)] for key, v in d["out"]]
+        else:
+            d["a"], d["o"] = self._deep(d["a"]), self._deep(d["o"])
+            if "kw" in d:
+                d["kw"] = self._deep(d["kw"])
+            d["in"], d["out"] = [f(v) for v in d["in"]], [f(v) for v in d["out"]]
+        for v in d.get("V", ()):
+            v["v"] = f(v["v"])
+        return d
+
+    def _deep(self, x):
+        if type(x) is dict:
+            if "$v" in x and len(x) == 1:
+                return {"$v": self.final(x["$v"])}
+            return {k: self._deep(v) for k, v in x.items()}
+        if type(x) is list:
+            return [self._deep(v) for v in x]
+        return x
+
+
+class StagedBytes:
+    """Full mode: a value's bytes on their way to a host buffer (copied on a side stream after the producing one)."""
+
+    __slots__ = ("host", "event", "nbytes")
+
+    def __init__(self, host: torch.Tensor, event, nbytes: int):
+        self.host, self.event, self.nbytes = host, event, nbytes
+
+    def land(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.host
+
+
+class Staging:
+    """Full mode's bounded staging: values' bytes copied to host memory off the producing stream. A snapshot on
+    the device first (a later in-place write on the producing stream cannot reach the copy), then a copy to pinned
+    memory on a side stream that waits for the producing one. At most `limit` bytes in flight: past that the
+    recording thread waits for the oldest copy (counted)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._flying: list[StagedBytes] = []
+        self._bytes = 0
+        self._side: dict = {}  # device -> side stream
+        self.waits = 0
+        self.wait_seconds = 0.0
+        self.peak = 0
+        self.copied = 0
+
+    def stage(self, t: torch.Tensor) -> StagedBytes:
+        flat = flat_bytes(t)
+        n = flat.numel() * flat.element_size()
+        while self._flying and self._bytes + n > self.limit:
+            t0 = time.perf_counter()
+            self.waits += 1
+            done = self._flying.pop(0)
+            done.land()
+            self._bytes -= done.nbytes
+            self.wait_seconds += time.perf_counter() - t0
+        if flat.data_ptr() == t.data_ptr():
+            flat = flat.clone()  # the snapshot (flat_bytes copied already where `t` was strided)
+        if flat.is_cuda:
+            main = torch.cuda.current_stream(flat.device)
+            side = self._side.get(flat.device)
+            if side is None:
+                side = self._side[flat.device] = torch.cuda.Stream(flat.device)
+            side.wait_stream(main)
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            with torch.cuda.stream(side):
+                host.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(side)
+            flat.record_stream(side)  # (its memory is not reused before the side stream has read it)
+        else:
+            host, event = flat, None
+        staged = StagedBytes(host, event, n)
+        self._flying.append(staged)
+        self._bytes += n
+        self.peak = max(self.peak, self._bytes)
+        self.copied += n
+        return staged
+
+    def written(self, staged: StagedBytes) -> None:
+        """(writer thread) `staged`'s bytes are in a shard: its room is free again."""
+        try:
+            self._flying.remove(staged)
+        except ValueError:
+            return  # (a waiting recording thread took it off already)
+        self._bytes -= staged.nbytes
+
+    def summary(self) -> dict:
+        return {"bytes_staged": self.copied, "staging_peak_bytes": self.peak, "staging_limit_bytes": self.limit,
+                "staging_waits": self.waits, "staging_wait_seconds": round(self.wait_seconds, 6)}
+
+
+class DeviceWriting:
+    """One TraceWriter's device path: batches, the writer thread, provisional values and their renumbering."""
+
+    def __init__(self, writer, forced: bool):
+        self.forced = forced  # CPU tensors take this path too (tests: the device path's code, run on the CPU)
+        self.batches = DeviceBatches()
+        self.thread = WriterThread()
+        self.provisional: list = []
+        self.late_warnings: list[str] = []  # raw writes found by the writer thread (meta.json warnings)
+        self.renumbering = Renumbering(self.provisional, self.late_warnings)
+        self._writer = writer
+        self.fingerprint = tensor_fingerprint
+        self.staging = Staging(max(writer.shard_bytes, 64 << 20)) if writer.mode == "full" else None
+        self.staged_bytes = 0  # full mode: bytes staged since the last flush (a shard's worth flushes)
+
+    def takes(self, t: torch.Tensor) -> bool:
+        return self.forced or not t.is_cpu
+
+    def pending(self, t: torch.Tensor) -> PendingValue:
+        """Enqueue `t`'s fingerprint and stats on its device; their pending result."""
+        words = device_words(t, self.fingerprint, stats=True)
+        return PendingValue(self.batches.add(words), t.numel(), t.is_floating_point())
+
+    def pending_rows(self, rows: torch.Tensor) -> PendingRows:
+        """Enqueue the row fingerprints of `rows` ([R, ...], token_layout.rows_2d) on their device."""
+        return PendingRows(self.batches.add(row_fingerprints(rows)))
+
+    def new_value(self, t: torch.Tensor, producer) -> TensorValue:
+        p = self.pending(t)
+        if self.staging is not None:
+            p.staged = self.staging.stage(t)
+            self.staged_bytes += p.staged.nbytes
+        dev = t.device
+        dev = dev.type if dev.index is None else str(dev)
+        return TensorValue(self._writer.take_vid(), dtype_name(t.dtype), list(t.shape), list(t.stride()), p, dev, p,
+                           producer, None, None, t.numel() * t.element_size())
+
+    def provisional_value(self, t: torch.Tensor, old: TensorValue, warn: str | None) -> TensorValue:
+        """A new value for `t` that the writer thread drops again when its bytes turn out to be `old`'s (same dtype,
+        shape and stride, checked by the caller). `warn` goes to meta.json's warnings when they differ."""
+        v = self.new_value(t, None)
+        self.provisional.append((v.vid, v, old, warn))
+        return v
+
+    def wait_idle(self) -> None:
+        """Wait until the writer thread has run every job submitted so far (at close: outside the block)."""
+        done = threading.Event()
+        self.thread.submit([], done.set, always=True)
+        while not done.wait(0.05):
+            if not self.thread.alive():
+                return
+
+    def submit(self, fn) -> None:
+        """Run `fn(settled)` on the writer thread once everything recorded so far has landed; `settled` is how
+        many provisional values it may rely on."""
+        upto = len(self.provisional)
+        self.thread.submit(self.batches.seal(), lambda: fn(upto))
+
+    def submit_records(self, records: list, n: int) -> None:
+        self.staged_bytes = 0
+        self.submit(lambda upto: self._write(records, n, upto))
+
+    def _write(self, records: list, n: int, upto: int) -> None:
+        """(writer thread) The lines of `records`, as the CPU path writes them, appended to records.jsonl."""
+        ren = self.renumbering
+        ren.settle(upto)
+        encode = self._writer.encode_record
+        lines = []
+        for rec, values in records:
+            for v in values:
+                h = v.hash
+                if type(h) is not str:
+                    v.hash = hex_of(h)
+                    if type(h) is PendingValue and h.staged is not None and v.vid not in ren.alias:
+                        self._store(v, h.staged)
+                if type(v.stats) is not dict:
+                    v.stats = stats_of(v.stats)
+            if ren.dropped:
+                values = [v for v in values if v.vid not in ren.alias]
+                lines.append(encode(ren.record(record_compact(rec, values))))
+            else:
+                lines.append(encode(record_compact(rec, values)))
+        self._writer.write_record_lines(("\n".join(lines) + "\n").encode(), n)
+
+    def _store(self, v: TensorValue, staged: StagedBytes) -> None:
+        """(writer thread) Full mode: `v`'s blob, its bytes written into the open shard when new."""
+        key = f"{v.dtype.removeprefix('torch.')}-{staged.host.numel()}-{v.hash}"
+        if key not in self._writer.blobs:
+            v.shard = self._writer.store_blob(key, staged.land())
+        else:
+            v.shard = self._writer.blobs[key]
+        v.blob = key
+        self.staging.written(staged)
+
+    def check(self) -> None:
+        e = self.thread.error
+        if e is not None:
+            self.thread.error = None
+            raise e
+
+    def close(self) -> dict:
+        """Drain the writer thread; the device path's figures for meta.json."""
+        self.thread.drain()
+        staging = self.staging.summary() if self.staging is not None else {}
+        return dict(self.batches.summary(), **staging, provisional=len(self.provisional),
+                    provisional_dropped=len(self.renumbering.dropped),
+                    writer_thread_seconds=round(self.thread.busy_seconds, 6))
