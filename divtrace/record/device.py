@@ -11,8 +11,9 @@ the rows of provisional values (divtrace.record.values: a value whose identity i
 offsets in rows.bin on the writer thread, where a provisional value that turns out to be the old one loses its
 rows as the CPU path never made them.
 
-`forced_device_path()` (internal, for tests) sends CPU tensors down the same path, so the device path's code runs
-on the CPU, where a test can trap every host read it would make.
+`device_path()` (internal, for tests and benches) sends CPU tensors down the same path, so the device path's code
+runs on the CPU, where a test can trap every host read it would make; `device_path(False)` keeps a device model
+on the host path (every value read back where it is met), the benches' baseline.
 
 In: the Recorder at the start of its block. Out: the trace writer's device path and the token store it uses.
 """
@@ -24,29 +25,36 @@ import threading
 
 from divtrace.record.token_store import TokenStoreWriter
 
-_FORCED = threading.local()
+_CHOICE = threading.local()
 
 
 @contextlib.contextmanager
-def forced_device_path():
-    """Within, recordings started on this thread take the device path for CPU tensors too (tests and benches:
-    the device path's code, run where no device is)."""
-    saved = getattr(_FORCED, "on", False)
-    _FORCED.on = True
+def device_path(on: bool = True):
+    """Internal (tests, benches): within, recordings started on this thread take the device path for CPU tensors
+    too (`on`: the device path's code, run where no device is), or never (`on=False`: every value read to the host
+    where it is met, as recordings did before the device path; the benches' baseline)."""
+    saved = getattr(_CHOICE, "on", None)
+    _CHOICE.on = on
     try:
         yield
     finally:
-        _FORCED.on = saved
+        _CHOICE.on = saved
+
+
+def forced_device_path():
+    """`device_path(True)`."""
+    return device_path(True)
 
 
 def wants_device_path(device: str) -> bool:
     """Whether a recording of a model whose first parameter is on `device` takes the device path."""
-    return getattr(_FORCED, "on", False) or not device.startswith("cpu")
+    on = getattr(_CHOICE, "on", None)
+    return on if on is not None else not device.startswith("cpu")
 
 
 def attach(writer, token_rows) -> None:
     """Put a recording's writer and token rows on the device path (at the start of the block)."""
-    device = writer.use_device(forced=getattr(_FORCED, "on", False))
+    device = writer.use_device(forced=getattr(_CHOICE, "on", None) is True)
     token_rows.device = device
     if token_rows.store is not None:
         token_rows.store = DeviceTokenStore(writer.path, device)
