@@ -274,3 +274,22 @@ def test_pending_rows_and_values_read_back_as_the_kernels_give_them():
         batch.land()
     assert q.stats() == hash_with_stats(allbad)[1]
     assert np.frombuffer(r.bytes(), "<u8").shape == (5,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8,
+                                   torch.int64, torch.bool])
+def test_the_lean_device_fingerprint_is_the_schemes(monkeypatch, dtype):
+    """device_results.whole_fingerprint (a table of every lane's weight, or block sums past it) against the C
+    kernel: whole lanes, a slice starting mid-lane, sizes around the table and the block, strided values."""
+    from divtrace.trace import device_results as D
+    from divtrace.trace.hashing.tensor import hash_with_stats, tensor_fingerprint, to_hex
+    from fp2_cases import values
+
+    monkeypatch.setattr(D, "_TABLE_LANES", 1 << 12)
+    monkeypatch.setattr(D, "_TABLES", {})
+    for shape in ((3,), (5, 7), (1024,), (2, 2048), (4097,), (3, 4096 * 3), (0,)):
+        x = values(dtype, shape, 3) if shape != (0,) else torch.empty(0, dtype=dtype)
+        for t in (x, x[1:] if x.shape[0] > 1 else x, x.t() if x.dim() == 2 else x):
+            with torch_path(False):
+                got = to_hex(D.whole_fingerprint(t, tensor_fingerprint))
+            assert got == hash_with_stats(t, stats=False)[0], (shape, t.stride())

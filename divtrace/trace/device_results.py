@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from divtrace.trace.hashing.spec import to_hex
+from divtrace.trace.hashing import weights
+from divtrace.trace.hashing.spec import BLOCK, to_hex
 
 _STATS_WORDS = 5  # min, max, sum of the finite values (float64), finite and NaN counts (float64 too)
 
@@ -156,23 +157,64 @@ class DeviceBatches:
                 "staging_bytes": self._made * self.words * 8}
 
 
+_TABLE_LANES = 1 << 22  # lanes of the cached per-lane weight table (2 x 32 MiB of int64 on the device at most)
+_TABLES: dict = {}  # device -> int64 [2, n]: W_r(i) for every lane i < n
+_FILLS: dict = {}  # (device, dtype) -> [[inf], [-inf], [0]]: what non-finite elements become for min, max and sum
+
+
+def _lane_table(n: int, device) -> torch.Tensor:
+    """W_r(i), i < n (grown by doubling, made on the device from the weights' formula)."""
+    key = str(device)
+    tab = _TABLES.get(key)
+    if tab is None or tab.shape[1] < n:
+        size = min(_TABLE_LANES, max(n, 1 << 16, 2 * (0 if tab is None else tab.shape[1])))
+        blocks = -(-size // BLOCK)
+        w, u = weights.inner(device), weights.outer(blocks, device)
+        tab = _TABLES[key] = (w.unsqueeze(1) * u.unsqueeze(2)).reshape(2, -1)[:, :size]
+    return tab[:, :n]
+
+
+def whole_fingerprint(t: torch.Tensor, fallback) -> torch.Tensor:
+    """`fallback(t)` (the v2 whole-value fingerprint, int64 [2]) in the fewest device ops: a contiguous value
+    whose bytes are whole 32-bit lanes is one multiply and one sum against a cached table of every lane's
+    weight, or blockwise sums and the block weights when it is larger than the table. Same numbers: the products
+    and sums wrap mod 2**64 in any order."""
+    nbytes = t.numel() * t.element_size()
+    if (nbytes % 4 or not nbytes or not t.is_contiguous() or t.is_conj() or t.is_neg() or t.is_complex()
+            or t.dtype == torch.bool or (t.storage_offset() * t.element_size()) % 4):
+        return fallback(t)
+    lanes = t.detach().reshape(-1).view(torch.int32)
+    n = lanes.shape[0]
+    if n <= _TABLE_LANES:
+        return (lanes * _lane_table(n, t.device)).sum(-1)
+    if n % BLOCK:
+        return fallback(t)
+    b = n // BLOCK
+    bs = (lanes.view(1, b, BLOCK) * weights.inner(t.device).unsqueeze(1)).sum(-1)  # [2, b]
+    return (bs * weights.outer(b, t.device)).sum(-1)
+
+
 def device_words(t: torch.Tensor, fingerprint, stats: bool) -> torch.Tensor:
     """int64 words on `t`'s device: its fingerprint (2), then, for floating dtypes with `stats`, the finite values'
-    min, max and sum and the finite and NaN counts (float64 bits). Nothing is read back."""
-    fp = fingerprint(t)
+    min, max and sum and the finite and NaN counts (float64 bits). Nothing is read back; eight device ops for the
+    statistics (one masked copy of the values, three reductions, the counts and one concatenation)."""
+    fp = whole_fingerprint(t, fingerprint)
     if not (stats and t.is_floating_point() and t.numel()):
         return fp
     x = t.detach()
     if x.element_size() == 1:  # fp8 has few kernels
         x = x.float()
-    x = x.reshape(-1)
+    x = x.reshape(1, -1)
+    key = (x.device, x.dtype)
+    fill = _FILLS.get(key)
+    if fill is None:
+        fill = _FILLS[key] = torch.tensor([[math.inf], [-math.inf], [0.0]], dtype=x.dtype).to(x.device)
     fin = torch.isfinite(x)
-    lo = torch.where(fin, x, math.inf).amin()
-    hi = torch.where(fin, x, -math.inf).amax()
-    total = torch.where(fin, x, 0).sum(dtype=torch.float64)
-    counts = torch.stack([fin.sum(), torch.isnan(x).sum()])
-    st = torch.cat([torch.stack([lo, hi]).double(), total.reshape(1), counts.double()])
-    return torch.cat([fp, st.view(torch.int64)])
+    y = torch.where(fin, x, fill)  # [3, n]: for the min, the max and the sum, non-finite values made neutral
+    lo, hi = torch.aminmax(y[:2], dim=1)
+    # fp bits as float64 (a view), the rest converted: one concatenation, read back as int64 words
+    return torch.cat([fp.view(torch.float64), lo[:1], hi[1:], y[2:].sum(1, dtype=torch.float64),
+                      fin.sum(1), torch.isnan(x).sum(1)]).view(torch.int64)
 
 
 class PendingValue:
