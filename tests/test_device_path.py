@@ -110,7 +110,7 @@ def test_device_path_writes_what_the_cpu_path_writes(tmp_path, mode, ops, infere
     record(m, tmp_path / "cpu", generate, device=False, mode=mode, ops=ops, inference=inference)
     record(m, tmp_path / "dev", generate, device=True, mode=mode, ops=ops, inference=inference)
     figures = assert_same_trace(tmp_path / "cpu", tmp_path / "dev")
-    assert figures["batches"] >= 1 and figures["staging_waits"] == 0
+    assert figures["batches"] >= 1 and figures["batch_waits"] == 0
     if inference and not ops:  # no version counters and no dispatch mode: every value met again waits for its bytes
         assert figures["provisional"] > 50 and figures["provisional_dropped"] == figures["provisional"]
 
@@ -208,16 +208,17 @@ def test_bounded_staging_waits_and_says_so(tmp_path, monkeypatch):
     from divtrace.trace import device_results, device_writer
 
     m = llama()
-    record(m, tmp_path / "cpu", generate, device=False, mode="full", flush_records=7)
+    record(m, tmp_path / "cpu", generate, device=False, mode="full", flush_records=7, shard_bytes=8 << 10)
     real_batches, real_staging = device_results.DeviceBatches.__init__, device_writer.Staging.__init__
     monkeypatch.setattr(device_results.DeviceBatches, "__init__",
                         lambda self, words=64, ring=2: real_batches(self, words, ring))
-    monkeypatch.setattr(device_writer.Staging, "__init__", lambda self, limit: real_staging(self, 16 << 10))
-    record(m, tmp_path / "dev", generate, device=True, mode="full", flush_records=7)
+    monkeypatch.setattr(device_writer.Staging, "__init__", lambda self, limit, th: real_staging(self, 16 << 10, th))
+    record(m, tmp_path / "dev", generate, device=True, mode="full", flush_records=7, shard_bytes=8 << 10)
     figures = assert_same_trace(tmp_path / "cpu", tmp_path / "dev")
-    assert figures["staging_buffers"] == 2 and figures["batches"] > 20
-    # (a value larger than the limit, the 32 KiB embedding, is staged alone)
-    assert figures["staging_waits"] > 0 and figures["staging_peak_bytes"] <= 32 << 10 < figures["bytes_staged"]
+    assert figures["batch_buffers"] <= 2 and figures["batches"] > 20
+    # (over the limit by at most one value, the 32 KiB embedding, where nothing queued could free room)
+    assert figures["staging_waits"] > 0 and figures["staging_peak_bytes"] <= 48 << 10 < figures["bytes_staged"]
+    assert figures["staging_wait_seconds"] >= 0
 
 
 def test_a_failed_write_on_the_writer_thread_stops_the_recording(tmp_path, monkeypatch):

@@ -26,7 +26,6 @@ import torch
 from divtrace.trace.hashing import weights
 from divtrace.trace.hashing.spec import BLOCK, to_hex
 
-_STATS_WORDS = 5  # min, max, sum of the finite values (float64), finite and NaN counts (float64 too)
 
 
 class Slot:
@@ -69,8 +68,9 @@ class Batch:
 class DeviceBatches:
     """The open batch of each device, and the bounded ring of host buffers they are copied into."""
 
-    def __init__(self, words: int = 1 << 16, ring: int = 8):
+    def __init__(self, words: int = 1 << 18, ring: int = 8):
         self.words, self.ring = words, ring
+        self.lander = None  # a WriterThread that lands each batch as soon as it is sealed (its buffer comes back)
         self._open: dict = {}  # device -> Batch
         self._free: dict = {}  # pinned: bool -> [host buffers]
         self._made = 0
@@ -121,6 +121,8 @@ class DeviceBatches:
         self._sealed.append(b)
         self._flying = [x for x in self._flying if x.landed is None]
         self._flying.append(b)
+        if self.lander is not None:
+            self.lander.submit([b], _nothing)
 
     def _buffer(self, n: int, pinned: bool) -> torch.Tensor:
         if n > self.words:  # (an oversized batch: a long row list) a buffer of its own, not kept
@@ -152,9 +154,9 @@ class DeviceBatches:
                 self._free.setdefault(host.is_pinned(), []).append(host)
 
     def summary(self) -> dict:
-        return {"batches": self.batches, "words": self.words_copied, "staging_waits": self.waits,
-                "staging_wait_seconds": round(self.wait_seconds, 6), "staging_buffers": self._made,
-                "staging_bytes": self._made * self.words * 8}
+        return {"batches": self.batches, "words": self.words_copied, "batch_waits": self.waits,
+                "batch_wait_seconds": round(self.wait_seconds, 6), "batch_buffers": self._made,
+                "batch_buffer_bytes": self._made * self.words * 8}
 
 
 _TABLE_LANES = 1 << 22  # lanes of the cached per-lane weight table (2 x 32 MiB of int64 on the device at most)
@@ -162,8 +164,14 @@ _TABLES: dict = {}  # device -> int64 [2, n]: W_r(i) for every lane i < n
 _FILLS: dict = {}  # (device, dtype) -> [[inf], [-inf], [0]]: what non-finite elements become for min, max and sum
 
 
-def _lane_table(n: int, device) -> torch.Tensor:
-    """W_r(i), i < n (grown by doubling, made on the device from the weights' formula)."""
+_TABLE_VIEWS: dict = {}  # (device, n, W_0 only) -> the table's first n lanes (a view, kept: the same sizes come back)
+
+
+def _lane_table(n: int, device, row: bool = False) -> torch.Tensor:
+    """W_r(i), i < n (grown by doubling, made on the device from the weights' formula); `row`: W_0 only."""
+    got = _TABLE_VIEWS.get((device, n, row))
+    if got is not None:
+        return got
     key = str(device)
     tab = _TABLES.get(key)
     if tab is None or tab.shape[1] < n:
@@ -171,7 +179,25 @@ def _lane_table(n: int, device) -> torch.Tensor:
         blocks = -(-size // BLOCK)
         w, u = weights.inner(device), weights.outer(blocks, device)
         tab = _TABLES[key] = (w.unsqueeze(1) * u.unsqueeze(2)).reshape(2, -1)[:, :size]
-    return tab[:, :n]
+        _TABLE_VIEWS.clear()  # (views of the old table)
+    if len(_TABLE_VIEWS) >= 4096:
+        _TABLE_VIEWS.clear()
+    got = _TABLE_VIEWS[(device, n, row)] = tab[0, :n] if row else tab[:, :n]
+    return got
+
+
+def _nothing() -> None:
+    pass
+
+
+def _lanes(x: torch.Tensor) -> torch.Tensor | None:
+    """`x`'s bytes as int32 lanes over its last dim (a view), or None where they are not whole aligned lanes of
+    a dense row-major tensor (the general torch path then)."""
+    es = x.element_size()
+    if (x.shape[-1] * es % 4 or not x.is_contiguous() or x.is_conj() or x.is_neg() or x.is_complex()
+            or x.dtype == torch.bool or (x.storage_offset() * es) % 4):
+        return None
+    return x.view(torch.int32)
 
 
 def whole_fingerprint(t: torch.Tensor, fallback) -> torch.Tensor:
@@ -179,11 +205,9 @@ def whole_fingerprint(t: torch.Tensor, fallback) -> torch.Tensor:
     whose bytes are whole 32-bit lanes is one multiply and one sum against a cached table of every lane's
     weight, or blockwise sums and the block weights when it is larger than the table. Same numbers: the products
     and sums wrap mod 2**64 in any order."""
-    nbytes = t.numel() * t.element_size()
-    if (nbytes % 4 or not nbytes or not t.is_contiguous() or t.is_conj() or t.is_neg() or t.is_complex()
-            or t.dtype == torch.bool or (t.storage_offset() * t.element_size()) % 4):
+    lanes = _lanes(t.reshape(-1)) if t.numel() and t.is_contiguous() else None
+    if lanes is None:
         return fallback(t)
-    lanes = t.detach().reshape(-1).view(torch.int32)
     n = lanes.shape[0]
     if n <= _TABLE_LANES:
         return (lanes * _lane_table(n, t.device)).sum(-1)
@@ -194,14 +218,26 @@ def whole_fingerprint(t: torch.Tensor, fallback) -> torch.Tensor:
     return (bs * weights.outer(b, t.device)).sum(-1)
 
 
+def row_words(rows: torch.Tensor, fallback) -> torch.Tensor:
+    """`fallback(rows)` (the v2 row fingerprints of a [R, ...] tensor, int64 [R]) in five device ops where each
+    row is whole aligned lanes: rotate each lane left by one bit, multiply by the lanes' weights W_0, sum."""
+    x = rows.reshape(rows.shape[0], -1) if rows.dim() != 2 else rows
+    lanes = _lanes(x) if x.shape[0] and x.shape[1] else None
+    if lanes is None or lanes.shape[1] > _TABLE_LANES:
+        return fallback(rows)
+    rot = (lanes << 1) | (lanes < 0)  # rotl32(lane, 1): the top bit comes round to bit 0
+    return (rot * _lane_table(lanes.shape[1], rows.device, row=True)).sum(-1)
+
+
 def device_words(t: torch.Tensor, fingerprint, stats: bool) -> torch.Tensor:
     """int64 words on `t`'s device: its fingerprint (2), then, for floating dtypes with `stats`, the finite values'
-    min, max and sum and the finite and NaN counts (float64 bits). Nothing is read back; eight device ops for the
-    statistics (one masked copy of the values, three reductions, the counts and one concatenation)."""
+    min, max and sum and the finite and NaN counts (float64 bits). Nothing is read back; nine device ops for the
+    statistics (the finite mask, one masked copy of the values, four reductions, the NaN mask, one concatenation).
+    Run under no_grad (the caller's)."""
     fp = whole_fingerprint(t, fingerprint)
     if not (stats and t.is_floating_point() and t.numel()):
         return fp
-    x = t.detach()
+    x = t
     if x.element_size() == 1:  # fp8 has few kernels
         x = x.float()
     x = x.reshape(1, -1)
@@ -209,12 +245,12 @@ def device_words(t: torch.Tensor, fingerprint, stats: bool) -> torch.Tensor:
     fill = _FILLS.get(key)
     if fill is None:
         fill = _FILLS[key] = torch.tensor([[math.inf], [-math.inf], [0.0]], dtype=x.dtype).to(x.device)
-    fin = torch.isfinite(x)
+    fin = (x - x) == 0  # (isfinite is four kernels; x - x is 0 exactly where x is finite, NaN elsewhere)
     y = torch.where(fin, x, fill)  # [3, n]: for the min, the max and the sum, non-finite values made neutral
-    lo, hi = torch.aminmax(y[:2], dim=1)
+    lo, hi = torch.aminmax(y, dim=1)  # (of all three rows: slicing costs the host more than the extra reads)
     # fp bits as float64 (a view), the rest converted: one concatenation, read back as int64 words
-    return torch.cat([fp.view(torch.float64), lo[:1], hi[1:], y[2:].sum(1, dtype=torch.float64),
-                      fin.sum(1), torch.isnan(x).sum(1)]).view(torch.int64)
+    return torch.cat([fp.view(torch.float64), lo, hi, y.sum(1, dtype=torch.float64), fin.sum(1),
+                      torch.isnan(x).sum(1)]).view(torch.int64)
 
 
 class PendingValue:
@@ -241,7 +277,8 @@ class PendingValue:
         w = self.slot.words()
         stats = {}
         if w.shape[0] > 2:
-            lo, hi, total, finite, nan = (float(x) for x in w[2:2 + _STATS_WORDS].view("<f8"))
+            st = w[2:].view("<f8")  # lo[3], hi[3], sums[3], finite, nan (device_words)
+            lo, hi, total, finite, nan = float(st[0]), float(st[4]), float(st[8]), float(st[9]), float(st[10])
             finite, nan = int(finite), int(nan)
             stats = summary_from(lo, hi, total, finite, nan, self.numel - finite - nan)
         self._stats = stats
@@ -308,6 +345,7 @@ class WriterThread:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
         self.busy_seconds = 0.0
+        self._running = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -320,6 +358,7 @@ class WriterThread:
             job = self._q.get()
             if job is None:
                 return
+            self._running = True
             if self.error is not None:
                 if job[2]:
                     job[1]()
@@ -332,6 +371,11 @@ class WriterThread:
             except BaseException as e:  # (kept for the recording thread: raised there by check)
                 self.error = e
             self.busy_seconds += time.perf_counter() - t0
+            self._running = False
+
+    def idle(self) -> bool:
+        """Nothing queued and nothing running (a snapshot)."""
+        return not self._running and self._q.empty()
 
     def alive(self) -> bool:
         return self._thread.is_alive()

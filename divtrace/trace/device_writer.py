@@ -23,7 +23,7 @@ from bisect import bisect_left
 import torch
 
 from divtrace.trace.device_results import (DeviceBatches, PendingRows, PendingValue, WriterThread, device_words,
-                                           hex_of, stats_of)
+                                           hex_of, row_words, stats_of)
 from divtrace.trace.hashing.rows import row_fingerprints
 from divtrace.trace.fingerprint import dtype_name, flat_bytes
 from divtrace.trace.hashing.tensor import tensor_fingerprint
@@ -101,13 +101,16 @@ class StagedBytes:
 class Staging:
     """Full mode's bounded staging: values' bytes copied to host memory off the producing stream. A snapshot on
     the device first (a later in-place write on the producing stream cannot reach the copy), then a copy to pinned
-    memory on a side stream that waits for the producing one. At most `limit` bytes in flight: past that the
-    recording thread waits for the oldest copy (counted)."""
+    memory on a side stream that waits for the producing one. At most `limit` bytes are staged and not yet written
+    to a shard (at least two shards' worth, so the bytes of flushes already handed to the writer thread can free
+    room): past that the recording thread waits for the writer thread (counted). It goes over the limit by one
+    value only where waiting could not help: nothing staged before it is queued for the writer thread."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, thread):
         self.limit = limit
-        self._flying: list[StagedBytes] = []
-        self._bytes = 0
+        self._thread = thread
+        self._bytes = 0  # staged, not yet in a shard
+        self._room = threading.Condition()
         self._side: dict = {}  # device -> side stream
         self.waits = 0
         self.wait_seconds = 0.0
@@ -117,13 +120,17 @@ class Staging:
     def stage(self, t: torch.Tensor) -> StagedBytes:
         flat = flat_bytes(t)
         n = flat.numel() * flat.element_size()
-        while self._flying and self._bytes + n > self.limit:
-            t0 = time.perf_counter()
-            self.waits += 1
-            done = self._flying.pop(0)
-            done.land()
-            self._bytes -= done.nbytes
-            self.wait_seconds += time.perf_counter() - t0
+        with self._room:
+            if self._bytes and self._bytes + n > self.limit:
+                t0 = time.perf_counter()
+                self.waits += 1
+                while self._bytes and self._bytes + n > self.limit:
+                    if self._thread.error is not None or not self._thread.alive() or self._thread.idle():
+                        break  # (stopped, or nothing queued that could free room: go on, over the limit)
+                    self._room.wait(0.05)
+                self.wait_seconds += time.perf_counter() - t0
+            self._bytes += n
+            self.peak = max(self.peak, self._bytes)
         if flat.data_ptr() == t.data_ptr():
             flat = flat.clone()  # the snapshot (flat_bytes copied already where `t` was strided)
         if flat.is_cuda:
@@ -140,20 +147,15 @@ class Staging:
             flat.record_stream(side)  # (its memory is not reused before the side stream has read it)
         else:
             host, event = flat, None
-        staged = StagedBytes(host, event, n)
-        self._flying.append(staged)
-        self._bytes += n
-        self.peak = max(self.peak, self._bytes)
         self.copied += n
-        return staged
+        return StagedBytes(host, event, n)
 
     def written(self, staged: StagedBytes) -> None:
-        """(writer thread) `staged`'s bytes are in a shard: its room is free again."""
-        try:
-            self._flying.remove(staged)
-        except ValueError:
-            return  # (a waiting recording thread took it off already)
-        self._bytes -= staged.nbytes
+        """(writer thread) `staged`'s bytes are in a shard (or were a blob already there): room again."""
+        with self._room:
+            self._bytes -= staged.nbytes
+            staged.nbytes = 0
+            self._room.notify_all()
 
     def summary(self) -> dict:
         return {"bytes_staged": self.copied, "staging_peak_bytes": self.peak, "staging_limit_bytes": self.limit,
@@ -167,12 +169,13 @@ class DeviceWriting:
         self.forced = forced  # CPU tensors take this path too (tests: the device path's code, run on the CPU)
         self.batches = DeviceBatches()
         self.thread = WriterThread()
+        self.batches.lander = self.thread
         self.provisional: list = []
         self.late_warnings: list[str] = []  # raw writes found by the writer thread (meta.json warnings)
         self.renumbering = Renumbering(self.provisional, self.late_warnings)
         self._writer = writer
         self.fingerprint = tensor_fingerprint
-        self.staging = Staging(max(writer.shard_bytes, 64 << 20)) if writer.mode == "full" else None
+        self.staging = Staging(2 * max(writer.shard_bytes, 64 << 20), self.thread) if writer.mode == "full" else None
         self.staged_bytes = 0  # full mode: bytes staged since the last flush (a shard's worth flushes)
 
     def takes(self, t: torch.Tensor) -> bool:
@@ -180,12 +183,14 @@ class DeviceWriting:
 
     def pending(self, t: torch.Tensor) -> PendingValue:
         """Enqueue `t`'s fingerprint and stats on its device; their pending result."""
-        words = device_words(t, self.fingerprint, stats=True)
+        with torch.no_grad():
+            words = device_words(t, self.fingerprint, stats=True)
         return PendingValue(self.batches.add(words), t.numel(), t.is_floating_point())
 
     def pending_rows(self, rows: torch.Tensor) -> PendingRows:
         """Enqueue the row fingerprints of `rows` ([R, ...], token_layout.rows_2d) on their device."""
-        return PendingRows(self.batches.add(row_fingerprints(rows)))
+        with torch.no_grad():
+            return PendingRows(self.batches.add(row_words(rows, row_fingerprints)))
 
     def new_value(self, t: torch.Tensor, producer) -> TensorValue:
         p = self.pending(t)
@@ -233,8 +238,11 @@ class DeviceWriting:
                 h = v.hash
                 if type(h) is not str:
                     v.hash = hex_of(h)
-                    if type(h) is PendingValue and h.staged is not None and v.vid not in ren.alias:
-                        self._store(v, h.staged)
+                    if type(h) is PendingValue and h.staged is not None:
+                        if v.vid not in ren.alias:
+                            self._store(v, h.staged)
+                        else:  # dropped: its bytes are the old value's blob
+                            self.staging.written(h.staged)
                 if type(v.stats) is not dict:
                     v.stats = stats_of(v.stats)
             if ren.dropped:
