@@ -13,8 +13,12 @@ The controls show the traps catch the CPU path and a read slipped into the devic
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -294,3 +298,13 @@ def test_the_lean_device_fingerprint_is_the_schemes(monkeypatch, dtype):
             with torch_path(False):
                 got = to_hex(D.whole_fingerprint(t, tensor_fingerprint))
             assert got == hash_with_stats(t, stats=False)[0], (shape, t.stride())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_the_triton_kernels_interpreted_on_the_cpu():
+    """device_kernels' fused passes, in Triton's interpreter, give the C kernel's fingerprints, rows and stats,
+    and a recording through them writes the CPU path's trace (on a GPU: tests/test_gpu_record.py)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    got = subprocess.run([sys.executable, str(Path(__file__).parent / "triton_interpreted.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert got.returncode == 0 and got.stdout.split()[:2] == ["ok", "triton"], got.stderr[-3000:]

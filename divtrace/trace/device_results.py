@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from divtrace.trace import device_kernels
 from divtrace.trace.hashing import weights
 from divtrace.trace.hashing.spec import BLOCK, to_hex
 
@@ -112,7 +113,9 @@ class DeviceBatches:
         b.host = self._buffer(b.size, dev.type == "cuda")
         # Enqueued on the current (producing) stream: ordered after the ops that made the words, and before
         # any later in-place write to the tensors they were computed from.
-        b.host[:b.size].copy_(words, non_blocking=True)
+        # (asynchronous on CUDA, into pinned memory, with an event; other devices copy synchronously: correct,
+        # not fast, as no event says when their copy is done)
+        b.host[:b.size].copy_(words, non_blocking=dev.type == "cuda")
         if dev.type == "cuda":
             b.event = torch.cuda.Event()
             b.event.record()
@@ -222,6 +225,10 @@ def row_words(rows: torch.Tensor, fallback) -> torch.Tensor:
     """`fallback(rows)` (the v2 row fingerprints of a [R, ...] tensor, int64 [R]) in five device ops where each
     row is whole aligned lanes: rotate each lane left by one bit, multiply by the lanes' weights W_0, sum."""
     x = rows.reshape(rows.shape[0], -1) if rows.dim() != 2 else rows
+    if device_kernels.available(x):
+        got = device_kernels.row_words(x, weights.inner(x.device)[0], lambda b: weights.outer(b, x.device))
+        if got is not None:
+            return got
     lanes = _lanes(x) if x.shape[0] and x.shape[1] else None
     if lanes is None or lanes.shape[1] > _TABLE_LANES:
         return fallback(rows)
@@ -233,7 +240,11 @@ def device_words(t: torch.Tensor, fingerprint, stats: bool) -> torch.Tensor:
     """int64 words on `t`'s device: its fingerprint (2), then, for floating dtypes with `stats`, the finite values'
     min, max and sum and the finite and NaN counts (float64 bits). Nothing is read back; nine device ops for the
     statistics (the finite mask, one masked copy of the values, four reductions, the NaN mask, one concatenation).
-    Run under no_grad (the caller's)."""
+    Run under no_grad (the caller's). With Triton on CUDA: one fused pass (divtrace.trace.device_kernels)."""
+    if device_kernels.available(t):
+        got = device_kernels.value_words(t, weights.inner(t.device), lambda b: weights.outer(b, t.device), stats)
+        if got is not None:
+            return got
     fp = whole_fingerprint(t, fingerprint)
     if not (stats and t.is_floating_point() and t.numel()):
         return fp

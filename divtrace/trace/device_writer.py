@@ -22,6 +22,7 @@ from bisect import bisect_left
 
 import torch
 
+from divtrace.trace import device_kernels
 from divtrace.trace.device_results import (DeviceBatches, PendingRows, PendingValue, WriterThread, device_words,
                                            hex_of, row_words, stats_of)
 from divtrace.trace.hashing.rows import row_fingerprints
@@ -145,8 +146,8 @@ class Staging:
                 event = torch.cuda.Event()
                 event.record(side)
             flat.record_stream(side)  # (its memory is not reused before the side stream has read it)
-        else:
-            host, event = flat, None
+        else:  # the CPU (forced), or a device without events here: copied now
+            host, event = (flat if flat.is_cpu else flat.cpu()), None
         self.copied += n
         return StagedBytes(host, event, n)
 
@@ -268,10 +269,15 @@ class DeviceWriting:
             self.thread.error = None
             raise e
 
-    def close(self) -> dict:
-        """Drain the writer thread; the device path's figures for meta.json."""
+    def close(self, extra: dict) -> dict:
+        """Drain the writer thread; `extra` (TraceWriter.close's meta.json fields) with the device path's figures
+        and the raw writes the writer thread found added to its warnings."""
         self.thread.drain()
         staging = self.staging.summary() if self.staging is not None else {}
-        return dict(self.batches.summary(), **staging, provisional=len(self.provisional),
-                    provisional_dropped=len(self.renumbering.dropped),
-                    writer_thread_seconds=round(self.thread.busy_seconds, 6))
+        figures = dict(self.batches.summary(), **staging, provisional=len(self.provisional),
+                       provisional_dropped=len(self.renumbering.dropped),
+                       writer_thread_seconds=round(self.thread.busy_seconds, 6), kernels=device_kernels.status())
+        if self.late_warnings:
+            warnings = list(extra.get("warnings") or [])
+            extra = dict(extra, warnings=warnings + [w for w in self.late_warnings if w not in warnings])
+        return dict(extra, device_path=figures)

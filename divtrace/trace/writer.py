@@ -181,14 +181,8 @@ class TraceWriter:
         finally:
             self.store_seconds += time.perf_counter() - t0
 
-    @property
-    def blobs(self) -> dict:
-        """Full mode: blob key -> the shard it is in."""
-        return self._shards.blobs
-
-    @property
-    def shard_bytes(self) -> int:
-        return self._shard_bytes
+    blobs = property(lambda self: self._shards.blobs, doc="Full mode: blob key -> the shard it is in.")
+    shard_bytes = property(lambda self: self._shard_bytes)
 
     @property
     def bytes_written(self) -> int:
@@ -311,14 +305,6 @@ class TraceWriter:
                     pass
             raise
 
-    def _close_device(self, extra: dict) -> dict:
-        figures = self.device.close()
-        late = self.device.late_warnings
-        if late:
-            warnings = list(extra.get("warnings") or [])
-            extra = dict(extra, warnings=warnings + [w for w in late if w not in warnings])
-        return dict(extra, device_path=figures)
-
     def close(self, status: str = "complete", error: str | None = None, **extra) -> None:
         """Flush everything and mark the trace; `status` other than "complete" marks it incomplete."""
         if self._closed:
@@ -330,7 +316,7 @@ class TraceWriter:
         except BaseException as e:  # a failed write, or a signal held during the last write
             flush_error = e
         if self.device is not None:  # every job run, the thread stopped: nothing writes after this
-            extra = self._close_device(extra)
+            extra = self.device.close(extra)
             if flush_error is None:
                 flush_error = self.device.thread.error
         self._shards.discard()  # not finished (the flush failed): no records point to it, leave no temp file
