@@ -16,13 +16,17 @@
 from __future__ import annotations
 
 import json
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import divtrace
 from divtrace.record.device import device_path
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -110,6 +114,8 @@ def test_no_sync_inside_divtrace(tmp_path, scoped_sync_errors, run, mode, ops):
     meta = json.loads((tmp_path / "t" / "meta.json").read_text())
     assert meta["status"] == "complete" and meta["device_path"]["batches"] >= 1
     assert scoped_sync_errors["entered"] > 10 and pinned and all(pinned)
+    print(f"\n{run.__name__} {mode} ops={ops}: {meta['device_path']}")
+    assert "failed" not in meta["device_path"]["kernels"]  # (a Triton kernel that does not build is said here)
 
 
 def _syncs(fn) -> int:
@@ -185,3 +191,39 @@ def test_device_path_writes_what_the_host_path_writes_for_the_same_gpu_run(tmp_p
     meta = json.loads((tmp_path / "dev" / "meta.json").read_text())
     assert "device_path" in meta
     assert_same_trace(tmp_path / "host", tmp_path / "dev")
+
+
+def test_torch_ops_and_triton_kernels_agree_on_the_gpu(monkeypatch):
+    """The device path's two ways (device_kernels' Triton passes and device_results' torch ops) against the host's
+    C kernel, on CUDA tensors of every dtype and a few layouts, NaN and infinities included."""
+    import importlib.util
+    import math
+
+    from divtrace.trace import device_kernels, device_results as D
+    from divtrace.trace.hashing.rows import row_fingerprints
+    from divtrace.trace.hashing.tensor import hash_with_stats, tensor_fingerprint
+    from fp2_cases import values
+
+    ways = ["torch"] + (["triton"] if importlib.util.find_spec("triton") is not None else [])
+    for way in ways:
+        monkeypatch.setattr(device_kernels, "available", (lambda t: True) if way == "triton" else (lambda t: False))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int64):
+            for shape in ((7,), (3, 1000), (4, 4096), (2, 3, 2048), (1 << 21, 3)):
+                x = values(dtype, shape, 2)
+                if dtype.is_floating_point:
+                    x.view(-1)[1], x.view(-1)[5] = float("nan"), float("inf")
+                b = D.DeviceBatches()
+                with torch.no_grad():
+                    p = D.PendingValue(b.add(D.device_words(x.cuda(), tensor_fingerprint, True)), x.numel(),
+                                       x.is_floating_point())
+                    r = D.PendingRows(b.add(D.row_words(x.cuda().reshape(shape[0], -1), row_fingerprints)))
+                for batch in b.seal():
+                    batch.land()
+                h, st = hash_with_stats(x)
+                assert p.hex() == h, (way, dtype, shape)
+                assert r.bytes() == row_fingerprints(x.reshape(shape[0], -1)).numpy().tobytes(), (way, dtype, shape)
+                if st:
+                    got = p.stats()
+                    assert all(got[k] == st[k] for k in ("min", "max", "nan", "inf")), (way, dtype, shape, got, st)
+                    assert math.isclose(got["mean"], st["mean"], rel_tol=1e-6, abs_tol=1e-9), (way, got, st)
+    print(f"\nkernels: {device_kernels.status()}")
