@@ -171,8 +171,14 @@ def trapped(monkeypatch):
 @pytest.mark.parametrize("run", [forward, generate])
 @pytest.mark.parametrize("mode,ops", [("hash", True), ("hash", False), ("full", True)])
 def test_the_device_path_reads_nothing_inside_the_block(tmp_path, monkeypatch, run, mode, ops):
+    from divtrace.trace import device_results
+    from divtrace.trace.hashing import weights
+
     m = llama()
     record(m, tmp_path / "cpu", run, device=False, mode=mode, ops=ops)
+    for cache in (device_results._FILLS, device_results._TABLES, device_results._TABLE_VIEWS, weights._INNER,
+                  weights._OUTER):
+        cache.clear()  # (built inside the block, on first use: under the traps too)
     trap, caught = trapped(monkeypatch)
     with trap:  # (below divtrace's own dispatch mode: it sees what divtrace runs and what the model runs)
         record(m, tmp_path / "dev", run, device=True, mode=mode, ops=ops)

@@ -255,7 +255,10 @@ def device_words(t: torch.Tensor, fingerprint, stats: bool) -> torch.Tensor:
     key = (x.device, x.dtype)
     fill = _FILLS.get(key)
     if fill is None:
-        fill = _FILLS[key] = torch.tensor([[math.inf], [-math.inf], [0.0]], dtype=x.dtype).to(x.device)
+        fill = torch.full((3, 1), math.inf, dtype=x.dtype, device=x.device)  # (made there: no copy from the host)
+        fill[1].fill_(-math.inf)
+        fill[2].fill_(0.0)
+        _FILLS[key] = fill
     fin = (x - x) == 0  # (isfinite is four kernels; x - x is 0 exactly where x is finite, NaN elsewhere)
     y = torch.where(fin, x, fill)  # [3, n]: for the min, the max and the sum, non-finite values made neutral
     lo, hi = torch.aminmax(y, dim=1)  # (of all three rows: slicing costs the host more than the extra reads)
