@@ -30,16 +30,19 @@ import divtrace
 from divtrace.record.device import device_path
 
 
-def build(small: bool):
+SIZES = {  # LlamaConfig fields
+    "0.5B": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                 num_attention_heads=16, num_key_value_heads=4),
+    "small": dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+}
+
+
+def build(size: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    if small:
-        cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2)
-    else:
-        cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                          num_attention_heads=16, num_key_value_heads=4)
+    cfg = LlamaConfig(**SIZES[size])
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval(), cfg
 
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
-    model, cfg = build(args.small)
+    model, cfg = build("small" if args.small else "0.5B")
     g = torch.Generator("cuda").manual_seed(1)
     fwd_ids = torch.randint(1, cfg.vocab_size, (4, 1024), device="cuda", generator=g)
     prompts = torch.randint(1, cfg.vocab_size, (8, 128), device="cuda", generator=g)
@@ -158,10 +161,9 @@ def main(argv=None) -> int:
            "rounds": args.rounds, "rollout_rounds": args.rollout_rounds, "pinned_d2h_GBps": round(bw / 1e9, 2),
            "figures": figures}
     print(json.dumps(out, indent=1))
-    print("\n| run | " + " | ".join(figures["forward 4x1024"]) + " |")
     for workload, rows in figures.items():
-        print(f"| {workload} | " + " | ".join(f"{r['seconds'] * 1e3:.1f} ms ({r['ratio']}x)" for r in rows.values())
-              + " |")
+        print(f"\n| {workload} | " + " | ".join(rows) + " |\n|---|" + "---|" * len(rows))
+        print("| | " + " | ".join(f"{r['seconds'] * 1e3:.1f} ms ({r['ratio']}x)" for r in rows.values()) + " |")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     shutil.rmtree(tmp, ignore_errors=True)

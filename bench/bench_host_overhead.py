@@ -28,6 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import divtrace
 from divtrace.record.device import device_path
 
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from fp2_cases import torch_path  # noqa: E402  (the C kernels hidden: the accelerators' torch ops)
+
 
 def build():
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -54,20 +57,6 @@ class _CountBusyOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextlib.contextmanager
-def accelerator_ops():
-    """The C kernels hidden, the accelerators' form of the torch ops: what the device path runs on a GPU."""
-    from divtrace.trace.hashing import lanes, rows, tensor
-
-    saved = tensor._native, rows._native, lanes.CPU_MATMUL
-    tensor._native = rows._native = None
-    lanes.CPU_MATMUL = False
-    try:
-        yield
-    finally:
-        tensor._native, rows._native, lanes.CPU_MATMUL = saved
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=30)
@@ -86,7 +75,7 @@ def main(argv=None) -> int:
                     model(input_ids=ids)
             return
         shutil.rmtree(path, ignore_errors=True)
-        ops = accelerator_ops() if dev else contextlib.nullcontext()
+        ops = torch_path(False) if dev else contextlib.nullcontext()
         with ops, torch.no_grad(), device_path(dev), divtrace.record(model, path, **rec):
             for _ in range(calls):
                 model(input_ids=ids)
@@ -129,10 +118,11 @@ def main(argv=None) -> int:
             "values ops=True": c1["values"],
             "device ops per value (ops=False)": round(c0["busy_ops"] / max(c0["values"], 1), 1),
             "device ops per value (ops=True)": round(c1["busy_ops"] / max(c1["values"], 1), 1)}
-    print(json.dumps(out, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
     shutil.rmtree(tmp, ignore_errors=True)
+    text = json.dumps(out, indent=1)
+    if args.json:
+        args.json.write_text(text)
+    print(text)
     return 0
 
 

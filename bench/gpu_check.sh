@@ -20,11 +20,11 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", tr
 print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 PYEOF
 start=$(date +%s)
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs -s tests/test_gpu_record.py tests/test_cuda.py \
+timeout 270 "$PY" -m pytest -q -p no:cacheprovider -rs -s tests/test_gpu_record.py tests/test_cuda.py \
     --junitxml="$OUT_DIR/gpu-tests.xml" 2>&1 | tail -60 | tee "$OUT_DIR/gpu-tests.txt"
 tests_rc=${PIPESTATUS[0]}
 echo "gpu_check: tests exit $tests_rc after $(( $(date +%s) - start )) s"
-timeout 330 "$PY" bench/bench_gpu.py --rounds 6 --rollout-rounds 3 --json "$OUT_DIR/bench_gpu.json" 2>&1 \
+timeout 300 "$PY" bench/bench_gpu.py --rounds 6 --rollout-rounds 3 --json "$OUT_DIR/bench_gpu.json" 2>&1 \
     | tail -120 | tee "$OUT_DIR/bench_gpu.txt"
 bench_rc=${PIPESTATUS[0]}
 echo "gpu_check: bench exit $bench_rc after $(( $(date +%s) - start )) s"
