@@ -314,3 +314,21 @@ def test_the_triton_kernels_interpreted_on_the_cpu():
     got = subprocess.run([sys.executable, str(Path(__file__).parent / "triton_interpreted.py")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert got.returncode == 0 and got.stdout.split()[:2] == ["ok", "triton"], got.stderr[-3000:]
+
+
+def test_a_value_shows_its_hex_hash_only_with_its_blob(tmp_path, monkeypatch):
+    """Regression: the writer thread put the hex hash on a full-mode value before its blob, and an alias the
+    recording thread copied from it in between (copy_value) kept the hash without the blob (a bounded-staging run
+    under load lost 'b' on an `_unsafe_view`). The blob must be set while the hash is still pending."""
+    from divtrace.trace import device_writer
+
+    store = device_writer.DeviceWriting._store
+    seen = []
+
+    def checked(self, v, hx, staged):
+        seen.append(type(v.hash) is not str)  # (the hex is not published yet)
+        return store(self, v, hx, staged)
+
+    monkeypatch.setattr(device_writer.DeviceWriting, "_store", checked)
+    record(llama(), tmp_path / "dev", forward, device=True, mode="full")
+    assert seen and all(seen)

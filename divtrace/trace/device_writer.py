@@ -238,12 +238,15 @@ class DeviceWriting:
             for v in values:
                 h = v.hash
                 if type(h) is not str:
-                    v.hash = hex_of(h)
+                    hx = hex_of(h)
                     if type(h) is PendingValue and h.staged is not None:
                         if v.vid not in ren.alias:
-                            self._store(v, h.staged)
+                            self._store(v, hx, h.staged)
                         else:  # dropped: its bytes are the old value's blob
                             self.staging.written(h.staged)
+                    # The hash last: the recording thread copies a value (an alias of it) as it finds it, and a
+                    # hex hash must come with its blob.
+                    v.hash = hx
                 if type(v.stats) is not dict:
                     v.stats = stats_of(v.stats)
             if ren.dropped:
@@ -253,9 +256,9 @@ class DeviceWriting:
                 lines.append(encode(record_compact(rec, values)))
         self._writer.write_record_lines(("\n".join(lines) + "\n").encode(), n)
 
-    def _store(self, v: TensorValue, staged: StagedBytes) -> None:
+    def _store(self, v: TensorValue, hx: str, staged: StagedBytes) -> None:
         """(writer thread) Full mode: `v`'s blob, its bytes written into the open shard when new."""
-        key = f"{v.dtype.removeprefix('torch.')}-{staged.host.numel()}-{v.hash}"
+        key = f"{v.dtype.removeprefix('torch.')}-{staged.host.numel()}-{hx}"
         if key not in self._writer.blobs:
             v.shard = self._writer.store_blob(key, staged.land())
         else:
