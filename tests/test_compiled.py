@@ -14,6 +14,7 @@ import torch
 
 import divtrace
 from divtrace.errors import DivtraceError
+from test_trace_fixtures import cli
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 
@@ -99,6 +100,17 @@ def test_bisect_compiled_vs_eager_names_the_first_module_the_compiled_code_chang
     assert j["compiled"]["kernel"]["b"]["tensor"] == "out.0"
     # the other origins the compiled code makes are listed too: RMSNorm with equal inputs
     assert any(n.module.endswith("input_layernorm") and n.cause == "origin" for n in r.next)
+
+
+def test_compiled_traces_carry_no_token_identity(llama_runs):
+    """Inside compiled code divtrace sees module boundaries through taps, not the root call's token rows: the
+    compiled trace has no token files, so --align tokens is refused naming it (docs/compiled.md says so)."""
+    d = llama_runs["dir"]
+    assert (d / "eager" / "tokens.jsonl").is_file() and not (d / "comp" / "tokens.jsonl").exists()
+    assert "tokens" not in _meta(d / "comp")
+    for a, b in ((d / "eager", d / "comp"), (d / "comp", d / "eager")):
+        code, _, err = cli("bisect", a, b, "--align", "tokens")
+        assert code == 2 and f"{d / 'comp'}: the trace carries no token identity" in err, err
 
 
 def test_compiled_vs_compiled_control_is_identical(llama_runs):

@@ -198,6 +198,10 @@ def test_a_trainers_own_sigterm_handler_is_kept(tmp_path):
     (b"\x00\x01binary\xff", "not a text (UTF-8) file"),
     (b'b:\n  "^": "\\\\9"\n', "bad replacement"),
     (b"c:\n  x: y\n", "is not a string"),
+    # issue 33: a number was taken as its text, renaming every matching call to "12...", and read identical
+    (b"'^lin': 12\n", "the replacement for '^lin' (side b) is not a string: 12 (quote it"),
+    (b"b:\n  '^out': 1.5\n", "is not a string: 1.5"),
+    (b"a:\n  '^lin':\n", "is not a string: None"),
 ])
 def test_bad_map_files_are_one_line_errors(tmp_path, text, message):
     """These went through as "internal error" tracebacks' last lines, or (a mistyped side key) as a regex

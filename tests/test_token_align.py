@@ -17,6 +17,7 @@ import torch
 import divtrace
 from divtrace.compare.bisect import bisect
 from divtrace.errors import DivtraceError
+from divtrace.trace.reader import Trace
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 import token_cases as tc  # noqa: E402
@@ -275,10 +276,9 @@ def test_declared_tokens_match_the_automatic_ones(tmp_path):
             out = m(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True,
                     position_ids=torch.tensor([[len(ids)]]))
             ids.append(nxt)
-    from divtrace.trace.token_store import TokenIndex
 
     def keys(p):
-        return sorted(k for g in TokenIndex(p).grids.values() for k in g.keys if k)
+        return sorted(k for g in Trace(p).token_index().grids.values() for k in g.keys if k)
     assert keys(tmp_path / "auto") == keys(tmp_path / "declared") and len(keys(tmp_path / "auto")) == 11
 
 
@@ -359,9 +359,9 @@ def test_layout_inference_and_overrides(tmp_path):
         rec.tokens([1, 2, 3], [0, 1, 2])
         e(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]))
     from divtrace.trace.reader import Trace
-    from divtrace.trace.token_store import TokenIndex
 
-    t, idx = Trace(tmp_path / "o3"), TokenIndex(tmp_path / "o3").index
+    t = Trace(tmp_path / "o3")
+    idx = t.token_index().index
     proj = next(c for c in t.calls.values() if c.module == "proj")
     norm = next(c for c in t.calls.values() if c.module == "norm")
     assert proj.outputs[0][1] not in idx and norm.outputs[0][1] in idx
@@ -449,11 +449,11 @@ def test_every_stored_row_fingerprint_is_the_row_of_the_stored_tensor(down_proj_
     from divtrace.trace import hashing
     from divtrace.trace.hashing.rows import row_fingerprints
     from divtrace.trace import token_layout as layout
-    from divtrace.trace.token_store import TokenIndex
     from divtrace.trace.reader import Trace
 
     for path in down_proj_traces["full"]:
-        t, idx = Trace(path), TokenIndex(path)
+        t = Trace(path)
+        idx = t.token_index()
         meta = _json.loads((path / "meta.json").read_text())["tokens"]
         assert meta["values_sharing_rows"] > 0 and meta["row_scheme"] == hashing.ROW_SCHEME
         checked = 0

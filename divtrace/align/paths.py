@@ -95,11 +95,14 @@ class PathMap:
     def _compile(rules: dict, side: str):
         out = []
         for pat, repl in rules.items():
-            if not (repl is None or isinstance(repl, (str, int, float))):
+            if not isinstance(repl, str):
+                # (a number or a null was taken as its text: `'^model\.': 12` renamed every model.* call to "12...")
+                hint = ("a map per side has only the keys a:, b: and rules:" if isinstance(repl, (dict, list)) else
+                        "quote it; '' deletes what the regex matches")
                 raise DivtraceError(f"--map: the replacement for {pat!r} (side {side}) is not a string: {repl!r} "
-                                    "(a map per side has only the keys a:, b: and rules:)")
+                                    f"({hint})"[:300])
             try:
-                out.append((re.compile(str(pat)), "" if repl is None else str(repl)))
+                out.append((re.compile(str(pat)), repl))
             except re.error as e:
                 raise DivtraceError(f"--map: bad regex {pat!r} for side {side}: {e}") from None
         return out

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from divtrace.errors import DivtraceError
 from divtrace.trace.records import ModuleCall
 from divtrace.trace import token_layout as layout
-from divtrace.trace.token_store import TOKENS, TokenIndex
+from divtrace.trace.token_store import TokenIndex
 
 class Incomparable(tuple):
     """The key of a value whose rows cannot be compared for one token (attention scores or a 4-D mask, which lay
@@ -41,7 +41,7 @@ class TraceTokens:
 
     def __init__(self, trace) -> None:
         self.trace = trace
-        self.index = TokenIndex(trace.path)
+        self.index = trace.token_index() if hasattr(trace, "token_index") else TokenIndex(trace)  # (read, checked)
         self.where: dict[int, tuple[int, int]] = {}
         for cid in sorted(self.index.grids):
             g = self.index.grids[cid]
@@ -201,9 +201,7 @@ def token_alignment_needed(ta, tb, forced: bool = False) -> bool:
     """Whether to align by tokens: both traces carry token identity, and their root calls do not already hold
     the same tokens in the same cells (then pairing calls pairs the same rows, with whole-tensor metrics).
     `forced` (--align tokens): True, or a one-line error naming the trace without tokens."""
-    if not forced and not ((ta.path / TOKENS).exists() and (tb.path / TOKENS).exists()):
-        return False
-    ia, ib = TokenIndex(ta.path), TokenIndex(tb.path)
+    ia, ib = ta.token_index(), tb.token_index()  # damaged token files (one deleted too): exit 2 here
     if not (ia.has_tokens and ib.has_tokens):
         if forced:
             t = ta if not ia.has_tokens else tb

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 from divtrace.errors import DivtraceError
@@ -128,11 +128,24 @@ class AuditResult:
 
     @property
     def verdict(self) -> str:
-        return "findings" if any(o.finding for o in self.ops) else "clean"
+        """findings (exit 1); inconclusive (exit 3) when no op was audited: nothing audited is never clean; clean."""
+        if any(o.finding for o in self.ops):
+            return "findings"
+        return "clean" if self.audited else "inconclusive"
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.verdict == "findings" else 0
+        return {"findings": 1, "inconclusive": 3}.get(self.verdict, 0)
+
+    @property
+    def reason(self) -> str | None:
+        """Why the audit is inconclusive, in words (None when it is not)."""
+        if self.verdict != "inconclusive":
+            return None
+        first = self.not_audited[0] if self.not_audited else None
+        return (f"nothing was audited: none of the {len(self.ops)} computing ops could be re-run and checked"
+                + (f" (the first, {first.op} in {first.module or '<root>'}: {first.why})" if first else "")
+                + "; fix what the not-audited list says, or record the run again in full mode with ops")
 
     def headline(self) -> str:
         return (f"AUDIT: {len(self.ops)} ops, {self.not_invariant} not batch-invariant, {self.not_deterministic} "
@@ -154,7 +167,7 @@ class AuditResult:
     def to_dict(self) -> dict:
         na = self.groups(self.not_audited)
         return {
-            "verdict": self.verdict, "ops": len(self.ops), "audited": len(self.audited),
+            "verdict": self.verdict, "reason": self.reason, "ops": len(self.ops), "audited": len(self.audited),
             "not_audited": len(self.not_audited),
             "findings": [g.to_dict(self.seconds) for g in self.findings],
             # extensions
@@ -181,7 +194,7 @@ def _under_factory(spec: str | None):
         return None
     from divtrace.record.entry import load_entry
 
-    return load_entry(spec)
+    return load_entry(spec, what="--under", classes=True)  # (a class such as contextlib:nullcontext is a factory)
 
 
 def _enter(factory, spec):
@@ -191,9 +204,20 @@ def _enter(factory, spec):
         cm = factory()
     except Exception as e:
         raise DivtraceError(f"--under {spec}: calling it raised {type(e).__name__}: {e}") from None
-    if not (hasattr(cm, "__enter__") and hasattr(cm, "__exit__")):
+    if not (hasattr(type(cm), "__enter__") and hasattr(type(cm), "__exit__")):
         raise DivtraceError(f"--under {spec}: returned {type(cm).__name__}, not a context manager")
     return cm
+
+
+def _entered(stack: ExitStack, factory, spec) -> None:
+    """Enter the --under context for one op's replays; a context that cannot be entered is the user's error, said
+    once in one line (an error inside it while an op runs is that op's, which is then not audited)."""
+    cm = _enter(factory, spec)
+    try:
+        stack.enter_context(cm)
+    except Exception as e:
+        raise DivtraceError(f"--under {spec}: entering its context manager raised {type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
 
 
 def _setting_api(torch):
@@ -363,7 +387,8 @@ def audit(path, *, under: str | None = None, device: str | None = None, progress
                     continue
                 call = recorded_call(rec, rec_device, dev)
                 tensors = {vid: load(vid) for vid in dict.fromkeys(rec.inputs)}
-                with _enter(factory, under):
+                with ExitStack() as under_cm:
+                    _entered(under_cm, factory, under)
                     if dev.startswith("cuda"):
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()

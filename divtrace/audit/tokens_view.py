@@ -16,13 +16,8 @@ class TokenViews:
 
     def __init__(self, trace):
         self.trace, self._views, self._root = trace, {}, {}
-        self.grids = {}
-        try:
-            from divtrace.trace.token_store import TokenIndex
-
-            self.grids = TokenIndex(trace.path).grids
-        except ImportError:  # a divtrace without token files
-            pass
+        # (read and checked: damaged token files are bad input here too)
+        self.grids = trace.token_index().grids if hasattr(trace, "token_index") else {}
 
     def tokens(self, call_id: int, n_rows: int, rows: list[int]) -> list[dict] | None:
         root = self._root.get(call_id)

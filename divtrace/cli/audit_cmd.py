@@ -87,6 +87,8 @@ def render_audit(o: Output, r) -> None:
     if r.verdict == "findings":
         o.failed(f"findings: {len(d['findings'])} op groups ({r.not_invariant} ops not batch-invariant, "
                  f"{r.not_deterministic} not deterministic)")
+    elif r.verdict == "inconclusive":
+        o.inconclusive(r.reason)
     else:
         o.passed(f"clean: {d['audited']} ops batch-invariant and deterministic"
                  + (f"; {d['not_audited']} not audited" if d["not_audited"] else ""))
@@ -98,8 +100,8 @@ def audit(
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable result (see docs/audit.md)")] = False,
     under: Annotated[Optional[str], typer.Option(
         "--under", metavar="MODULE:FACTORY",
-        help="a function (path/file.py:fn or pkg.mod:fn) returning a context manager entered around each op's "
-             "replays, e.g. a batch-invariant mode")] = None,
+        help="a function or class (path/file.py:fn or pkg.mod:fn) returning a context manager entered around "
+             "each op's replays, e.g. a batch-invariant mode")] = None,
     device: Annotated[Optional[str], typer.Option(help="replay on this device instead of the recorded one")] = None,
     plot: Annotated[Optional[Path], typer.Option(
         "--plot", help="write a PNG: each op's worst ULP, findings' time share")] = None,
@@ -110,7 +112,9 @@ def audit(
     bytes?), then each row of its row dim (tokens) alone, in halves of the batch, in a batch one smaller, and
     padded into a batch of 2M+1, each compared bitwise with the same row of the recorded batch. Ops that cannot
     be re-run (random, collectives) or whose rows cannot be told are listed as not audited. The first line is
-    `AUDIT: N ops, K not batch-invariant, D not deterministic`. Exit 0 clean, 1 findings, 2 bad input.
+    `AUDIT: N ops, K not batch-invariant, D not deterministic`. Exit 0 clean, 1 findings, 2 bad input (an --under
+    factory that cannot be loaded, called or entered: one line naming it), 3 inconclusive (no op could be
+    audited: nothing audited is never clean).
 
     \b
     Examples:

@@ -26,7 +26,8 @@ def trace_summary(t) -> dict:
 def show(
     trace: Annotated[Path, typer.Argument(metavar="TRACE", help="trace directory")],
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
-    check: Annotated[bool, typer.Option("--check", help="verify every stored tensor against its fingerprint")] = False,
+    check: Annotated[bool, typer.Option("--check", help="verify every stored tensor against its fingerprint and "
+                                                        "every token file against its checksum")] = False,
 ):
     """Show a trace: run metadata, record count, the module tree with call counts, sizes.
 
@@ -41,8 +42,8 @@ def show(
 
     o = Output(json_out)
     t = Trace(trace)
+    check_result = check_trace(t) if check else None  # (first: reading the token files may add a warning)
     s = trace_summary(t)
-    check_result = check_trace(t) if check else None
     if check_result is not None:
         s["check"] = check_result
     if json_out:
@@ -65,8 +66,13 @@ def show(
         if check_result is not None:
             if check_result["ok"]:
                 views = check_result["views"]
+                tok = check_result["tokens"]
                 o.passed(f"{check_result['tensors']} stored tensors match their fingerprints"
-                         + (f"; {views} views stored as their op agree with their fingerprints" if views else ""))
+                         + (f"; {views} views stored as their op agree with their fingerprints" if views else "")
+                         + (f"; token files: {tok['grids']} grids, {tok['rows']} row fingerprints of "
+                            f"{tok['values_with_rows']} values " + ("match their sha256 and their records" if
+                                                                    tok["verified"] else "agree with their records "
+                                                                    "(unverified: no checksums)") if tok else ""))
             else:
                 o.failed(f"{len(check_result['problems'])} problems: {check_result['problems'][0]}")
     return 0 if check_result is None or check_result["ok"] else 1

@@ -286,6 +286,7 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
             warnings.append(f"trace {t.path} is incomplete (status: {t.meta.get('status')}): only what ran before it "
                             "stopped is compared")
         warnings += [f"{t.path} (recording): {w}" for w in t.meta.get("warnings") or [] if isinstance(w, str)]
+        warnings += [w for w in getattr(t, "warnings", []) if w not in warnings]  # what reading it found
     # The verdict rule (divtrace.compare.verdict): the final outputs are each shared token's logits row.
     ver = decide(origin_found=first is not None, within_tolerance=False, final_compared=final_compared > 0,
                final_equal=not final_bad, a=trace_seen(ta, "a", tb), b=trace_seen(tb, "b", ta),

@@ -85,28 +85,41 @@ def unseen_of(meta: dict) -> list[str]:
 
 def progress(t, ref) -> str:
     """How far incomplete trace `t` got, measured against `ref` (the other trace): "stopped in root call 1 of 1
-    after 47 of the reference's 91 module calls; last module model.layers.5". Duck-typed: `.calls` maps ids to
-    ModuleCall-like objects (module, parent, enter_index, exit_index)."""
+    after 47 of the reference's 91 module calls; last module model.layers.5". Measured against `ref` only where
+    `t`'s calls so far are `ref`'s first calls (the same work: the same modules, called in the same order); else
+    (a rollout's decode steps against a trainer's one forward) in `t`'s own terms, with what `ref` holds beside.
+    Duck-typed: `.calls` maps ids to ModuleCall-like objects (module, call, parent, enter_index, exit_index)."""
     calls = sorted(t.calls.values(), key=lambda c: c.enter_index)
     top = [c for c in calls if c.parent is None]
-    ref_top = sum(1 for c in ref.calls.values() if c.parent is None)
+    ref_calls = sorted(ref.calls.values(), key=lambda c: c.enter_index)
+    ref_top = sum(1 for c in ref_calls if c.parent is None)
     whose = "the reference's" if getattr(ref, "complete", True) else "the other trace's (itself incomplete)"
     if not calls:
-        return f"stopped before its first module call was written ({whose} {len(ref.calls)} module calls)"
+        return f"stopped before its first module call was written ({whose} {len(ref_calls)} module calls)"
+    same_work = len(calls) <= len(ref_calls) and all(
+        (c.module, c.call) == (r.module, r.call) for c, r in zip(calls, ref_calls))
     open_top = next((i for i, c in enumerate(top) if c.exit_index is None), None)
-    if open_top is None:
+    if open_top is None and same_work:
         # Every root call has its exit (an exception closes the calls it passes through): the stop came inside the
         # last one when it holds fewer calls than the reference's call of the same number, else after it.
         k = len(top) - 1
-        ref_calls = sorted(ref.calls.values(), key=lambda c: c.enter_index)
         inside = k < len(_root_spans(ref_calls)) and _root_spans(calls)[k] < _root_spans(ref_calls)[k]
         open_top = k if inside else None
+    unfinished = [c for c in calls if c.exit_index is None]
+    last = f"last module {(unfinished[-1] if unfinished else calls[-1]).module or '<root>'}"
+    if not same_work:
+        where = (f"stopped in its root call {open_top + 1}" if open_top is not None
+                 else f"stopped after its root call {len(top)}")
+        other = "the reference" if whose == "the reference's" else "the other trace (itself incomplete)"
+        return (f"{where} after {len(calls)} module calls; {last} ({other} holds {_count(ref_top, 'root call')} "
+                f"and {_count(len(ref_calls), 'module call')}, not these: how far it got cannot be measured against it)")
     where = (f"stopped in root call {open_top + 1} of {ref_top}" if open_top is not None
              else f"stopped after root call {len(top)} of {ref_top}")
-    unfinished = [c for c in calls if c.exit_index is None]
-    last = unfinished[-1] if unfinished else calls[-1]
-    return (f"{where} after {len(calls)} of {whose} {len(ref.calls)} module calls; last module "
-            f"{last.module or '<root>'}")
+    return f"{where} after {len(calls)} of {whose} {len(ref_calls)} module calls; {last}"
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def _root_spans(calls: list) -> list[int]:

@@ -20,7 +20,6 @@ In: the Recorder at the start of its block. Out: the trace writer's device path 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 from divtrace.record.token_store import TokenStoreWriter
@@ -57,7 +56,9 @@ def attach(writer, token_rows) -> None:
     device = writer.use_device(forced=getattr(_CHOICE, "on", None) is True)
     token_rows.device = device
     if token_rows.store is not None:
-        token_rows.store = DeviceTokenStore(writer.path, device)
+        old = token_rows.store
+        store = token_rows.store = device.token_store = DeviceTokenStore(old.files, device)
+        writer.before_flush[:] = [store.hand_over if h == old.hand_over else h for h in writer.before_flush]
 
 
 class _Entry:
@@ -74,14 +75,16 @@ class _Entry:
 
 
 class DeviceTokenStore(TokenStoreWriter):
-    """The token files' writer on the device path: entries resolved and written by the trace writer's thread."""
+    """The token files' writer on the device path: what it is handed is resolved by the trace writer's thread and
+    added to the checksummed files there, with the records of the same flush (device_writer.DeviceWriting)."""
 
-    def __init__(self, path, device):
-        super().__init__(path)
+    def __init__(self, files, device):
+        super().__init__(files)
         self._device = device
         self._entries: list[_Entry] = []
         self._marks: dict[int, tuple] = {}  # provisional vid -> (keep its rows if dropped, the old value's entry)
-        self.write_error: OSError | None = None
+        self._handed: list[tuple] = []  # (entries, token lines) handed over, for the next flush's job
+        self.pending_bytes = 0  # about what the handed-over lines take (a flush comes when it is large)
 
     def provisional(self, vid: int, old_vid: int, keep: bool) -> None:
         """`vid` is a provisional value standing for `old_vid`'s bytes (divtrace.record.values): if they turn out
@@ -100,68 +103,60 @@ class DeviceTokenStore(TokenStoreWriter):
         self._entries.append(e)
         self.current[vid] = (code, e)
 
-    def flush(self) -> None:
-        if not (self._entries or self._tokens):
-            return
-        entries, self._entries = self._entries, []
-        tokens, self._tokens = self._tokens, []
-        self._device.submit(lambda upto: self._write(entries, tokens, upto))
+    def hand_over(self) -> None:
+        """(recording thread) Keep what was made since the last hand-over for the next flush's writer job."""
+        if self._entries or self._tokens:
+            self.pending_bytes += sum(32 + (8 * len(e.src) if e.src is not None and type(e.src) is not _Entry else 0)
+                                      for e in self._entries) + sum(len(x) + 1 for x in self._tokens)
+            self._handed.append((self._entries, self._tokens))
+            self._entries, self._tokens = [], []
+
+    def take_handed(self) -> list:
+        out, self._handed = self._handed, []
+        self.pending_bytes = 0
+        return out
 
     def close(self) -> dict:
-        self.flush()
-        self._device.wait_idle()
-        if self.write_error is not None:
-            self._fds_close()
-            raise self.write_error
+        self.hand_over()
+        self._device.flush_and_wait()  # (the summary's counts are the writer thread's)
         return super().close()
 
-    def _fds_close(self) -> None:
-        for fd in self._fds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds.clear()
-
     # writer thread ----------------------------------------------------------------------------------------
-    def _write(self, entries: list[_Entry], tokens: list[str], upto: int) -> None:
-        if self.write_error is not None:
-            return
+    def write_handed(self, parts: list) -> None:
+        """Resolve handed-over entries (offsets in rows.bin, provisional values settled) and add their lines to the
+        checksummed files, as TokenStoreWriter.hand_over adds the CPU path's."""
         ren = self._device.renumbering
-        ren.settle(upto)
         final = ren.final
-        bins, index = [], []
-        for e in entries:
-            mark = self._marks.pop(e.vid, None)
-            if mark is not None and e.vid in ren.alias and not mark[0]:
-                e.deleted, e.fallback = True, mark[1]  # its bytes were the old value's: the CPU path made no rows
-                continue
-            src = e.src
-            if src is None:
-                index.append(f'[{final(e.vid)},{e.call_id},"{e.code}",-1]')
-                self.unrowed[e.code] = self.unrowed.get(e.code, 0) + 1
-                continue
-            if type(src) is _Entry:
-                target = src
-                while target is not None and target.deleted:
-                    target = target.fallback
-                if target is not None:
-                    e.offset = target.offset
-                    index.append(f'[{final(e.vid)},{e.call_id},"{e.code}",{e.offset}]')
-                    self.shared += 1
+        for entries, tokens in parts:
+            bins, index = [], []
+            for e in entries:
+                mark = self._marks.pop(e.vid, None)
+                if mark is not None and e.vid in ren.alias and not mark[0]:
+                    e.deleted, e.fallback = True, mark[1]  # its bytes were the old value's: the CPU path made no rows
                     continue
-                src = _rows_of(src)  # the rows it pointed at were dropped, with nothing to stand for them: its own
-            data = src.bytes() if hasattr(src, "slot") else src if type(src) is bytes else \
-                src.astype("<u8", copy=False).tobytes()
-            e.src, e.offset = data, self.rows
-            index.append(f'[{final(e.vid)},{e.call_id},"{e.code}",{self.rows}]')
-            bins.append(data)
-            self.rows += len(data) >> 3
-            self.values += 1
-        try:
-            self.write_parts(bins, index, tokens)
-        except OSError as err:  # said at close, as the CPU path's store says it (token_rows.TokenRows.close)
-            self.write_error = err
+                src = e.src
+                if src is None:
+                    index.append(f'[{final(e.vid)},{e.call_id},"{e.code}",-1]')
+                    self.unrowed[e.code] = self.unrowed.get(e.code, 0) + 1
+                    continue
+                if type(src) is _Entry:
+                    target = src
+                    while target is not None and target.deleted:
+                        target = target.fallback
+                    if target is not None:
+                        e.offset = target.offset
+                        index.append(f'[{final(e.vid)},{e.call_id},"{e.code}",{e.offset}]')
+                        self.shared += 1
+                        continue
+                    src = _rows_of(src)  # the rows it pointed at were dropped, with nothing to stand for them
+                data = src.bytes() if hasattr(src, "slot") else src if type(src) is bytes else \
+                    src.astype("<u8", copy=False).tobytes()
+                e.src, e.offset = data, self.rows
+                index.append(f'[{final(e.vid)},{e.call_id},"{e.code}",{self.rows}]')
+                bins.append(data)
+                self.rows += len(data) >> 3
+                self.values += 1
+            self.add_parts(bins, index, tokens)
 
 
 def _rows_of(e: _Entry):

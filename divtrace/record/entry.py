@@ -33,22 +33,34 @@ def parse_args(pairs: list[str] | None) -> dict:
     return out
 
 
-def load_entry(entry: str):
-    """The function named by ENTRY."""
+def load_entry(entry: str, what: str = "ENTRY", classes: bool = False):
+    """The function named by ENTRY (`what` names the option in messages; `classes`: a class is accepted too, as a
+    factory whose instances are what is wanted, such as `contextlib:nullcontext` for `audit --under`)."""
     if ":" not in entry:
-        raise DivtraceError(f"ENTRY {entry!r}: expected path/file.py:function or pkg.module:function")
+        raise DivtraceError(f"{what} {entry!r}: expected path/file.py:function or pkg.module:function")
     target, _, func_name = entry.rpartition(":")
     if not func_name.isidentifier() or (func_name.startswith("__") and func_name.endswith("__")):
         # Dunder names reach module machinery (__class__, __loader__), never a function the user wrote.
-        raise DivtraceError(f"ENTRY {entry!r}: {func_name!r} is not a function name")
+        raise DivtraceError(f"{what} {entry!r}: {func_name!r} is not a function name")
+    try:
+        module = _import(target, entry, what)
+    except SyntaxError as e:  # the file (or a module it imports) is not Python: one line naming where
+        raise DivtraceError(f"{what} {entry!r}: {e.filename}:{e.lineno}: {e.msg}") from None
+    fn = getattr(module, func_name, None)
+    if not callable(fn) or (isinstance(fn, type) and not classes) or inspect.ismodule(fn):
+        raise DivtraceError(f"{what} {entry!r}: {target} has no function {func_name!r}")
+    return fn
+
+
+def _import(target: str, entry: str, what: str):
     if target.endswith(".py") or "/" in target or "\\" in target:
         path = Path(target)
         if not path.is_file():
-            raise DivtraceError(f"ENTRY {entry!r}: no such file {path}")
+            raise DivtraceError(f"{what} {entry!r}: no such file {path}")
         mod_name = f"_divtrace_entry_{abs(hash(str(path.resolve())))}"
         spec = importlib.util.spec_from_file_location(mod_name, path)
         if spec is None or spec.loader is None:
-            raise DivtraceError(f"ENTRY {entry!r}: cannot import {path}")
+            raise DivtraceError(f"{what} {entry!r}: cannot import {path}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[mod_name] = module
         sys.path.insert(0, str(path.resolve().parent))
@@ -56,15 +68,11 @@ def load_entry(entry: str):
             spec.loader.exec_module(module)
         finally:
             sys.path.remove(str(path.resolve().parent))
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise DivtraceError(f"ENTRY {entry!r}: cannot import module {target!r}: {e}") from None
-    fn = getattr(module, func_name, None)
-    if not callable(fn) or isinstance(fn, type) or inspect.ismodule(fn):
-        raise DivtraceError(f"ENTRY {entry!r}: {target} has no function {func_name!r}")
-    return fn
+        return module
+    try:
+        return importlib.import_module(target)
+    except ImportError as e:
+        raise DivtraceError(f"{what} {entry!r}: cannot import module {target!r}: {e}") from None
 
 
 def build_from_entry(entry: str, args: dict | None = None):

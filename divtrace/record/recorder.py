@@ -34,6 +34,7 @@ from divtrace.record.token_rows import TokenRows
 from divtrace.record.values import ValueIdentity
 from divtrace.trace.derived_views import VIEW_KEY
 from divtrace.trace.writer import TraceWriter
+from divtrace.trace.token_store import TOKEN_FILES
 
 
 class Recorder:
@@ -93,9 +94,9 @@ class Recorder:
         meta["settings"].update(self._session.settings())
         self.writer = TraceWriter(self.path, mode=self.mode, meta=meta, overwrite=self._overwrite,
                                   shard_bytes=self._shard_bytes, flush_records=self._flush_records,
-                                  durable=self._durable)
+                                  durable=self._durable, checksummed_files=TOKEN_FILES if self.token_rows.on else ())
         self.calls.writer = self.values.writer = self.op_records.writer = self.writer
-        self.token_rows.open(self.writer.path)
+        self.token_rows.open(self.writer)
         if wants_device_path(device):  # fingerprints on the device, nothing waits for it (divtrace.record.device)
             attach(self.writer, self.token_rows)
         ACTIVE_MODELS.add(id(self.model))

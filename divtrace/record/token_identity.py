@@ -19,20 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from divtrace.errors import DivtraceError
+from divtrace.trace.token_keys import MASK64, ROOT_KEY, next_key  # noqa: F401 (the key fold is the format's)
 
-MASK64 = (1 << 64) - 1
-ROOT_KEY = 0x243F6A8885A308D3  # the key of the empty prefix
 FIRST_IDS = 8  # ids kept per sequence to show people which sequence a token is in
-
-
-def next_key(prev: int, token_id: int) -> int:
-    """The key of a prefix extended by one token id (splitmix64 of the previous key and the id); never 0, which
-    marks a row that is not a token (padding)."""
-    x = (prev * 0x9E3779B97F4A7C15 + token_id + 1) & MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    x ^= x >> 31
-    return x or 1
 
 
 @dataclass

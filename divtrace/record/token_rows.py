@@ -6,7 +6,8 @@ then gets its token dims inferred from its shape (divtrace.trace.token_layout, o
 `token_layouts`) and an 8-byte fingerprint per token row (rowhash), written beside the trace (token_store).
 
 In: root calls begun and ended (module_calls), values made during one (values). Out: tokens.jsonl, rows.jsonl and
-rows.bin in the trace directory, and meta.json's `tokens` summary at close.
+rows.bin in the trace directory (appended by the trace writer in step with records.jsonl, under its checksums), and
+meta.json's `tokens` summary at close.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class TokenRows:
     """The token grid of the root call in progress and the row fingerprints of its values (one per Recorder)."""
 
     def __init__(self, on: bool, token_layouts, stack: list, warnings_out: list):
-        self.on = bool(on)  # record(tokens=...): turned off for good when the token files cannot be written
+        self.on = bool(on)  # record(tokens=...)
         self.layouts_override = token_layout.compile_overrides(token_layouts)
         self.call_paths: dict[int, str] = {}  # call id -> module path (for token_layouts)
         self.boundary_path: str | None = None  # the module whose inputs or outputs are being recorded
@@ -36,8 +37,9 @@ class TokenRows:
         self._layout_grid = None  # the grid _layouts holds the inferred layouts of: (shape, root output) -> code
         self._layouts: dict = {}
 
-    def open(self, trace_path) -> None:
-        self.store = TokenStoreWriter(trace_path)
+    def open(self, writer) -> None:
+        self.store = TokenStoreWriter(writer.files)
+        writer.before_flush.append(self.store.hand_over)  # token lines go out with the records they describe
 
     def declare(self, ids, positions, seqs=None) -> None:
         """Recorder.tokens: the token rows of the next root call."""
@@ -52,12 +54,7 @@ class TokenRows:
     def end_root_call(self) -> None:
         self.grid = None
         self.rowed.clear()
-        try:
-            self.store.end_call()
-        except OSError as e:  # the trace's own write path reports the disk; tokens stop here, said once
-            self.on = False
-            self.warnings.append(f"token files could not be written ({e.strerror or e}): token identity "
-                                 "stops at this root call, and bisect cannot align the rest by tokens")
+        self.store.end_call()  # (written with the records: a failed write stops the recording, trace/writer.py)
 
     def rows(self, vid: int, t: torch.Tensor, root_output: bool = False, alias=None) -> None:
         """Fingerprint each token row of a value made in the current root call (see divtrace.trace.token_layout). A
@@ -97,10 +94,6 @@ class TokenRows:
 
     def close(self) -> dict | None:
         """Close the token files: meta.json's `tokens` summary (None when there is none to give)."""
-        tokens = None
-        try:
-            tokens = self.store.close() if self.store is not None else None
-        except OSError as e:
-            self.warnings.append(f"token files could not be written: {e.strerror or e}")
+        tokens = self.store.close() if self.store is not None else None
         self.warnings.extend(w for w in self.tracker.warnings if w not in self.warnings)
         return tokens

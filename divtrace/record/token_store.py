@@ -1,30 +1,26 @@
 """Writing the token files beside a trace while recording (their format, and reading them back:
 divtrace.trace.token_store).
 
-In: token grids and row fingerprints (token_rows). Out: tokens.jsonl, rows.jsonl, rows.bin, appended at each root
-call's end and at close, bytes before lines.
+In: token grids and row fingerprints (token_rows). Out: tokens.jsonl, rows.jsonl, rows.bin. The lines are handed
+to the trace writer at each of its flushes (and when a root call ends); it appends them with the records they
+describe, under the same checksums (divtrace.trace.side_files). A grid is made before its root call's enter record
+and a value's rows before the record that defines it, so the token files are always in step with records.jsonl:
+a killed recording leaves the token lines of the records on disk (the grid of a root call it was killed in, too,
+and the rows of that call's values written so far), and none of records that are not.
 """
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
-from divtrace.trace.token_store import ROWS_BIN, ROWS_INDEX, TOKEN_FILES, TOKENS
+from divtrace.trace.token_store import ROWS_BIN, ROWS_INDEX, TOKENS
 
 # json.dumps(x, separators=(",", ":")), with the encoder made once (dumps builds one per call when given options)
 _COMPACT = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class TokenStoreWriter:
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        for name in TOKEN_FILES:  # an overwritten trace must not keep the tokens of the one before
-            try:
-                (self.path / name).unlink()
-            except FileNotFoundError:
-                pass
-        self._fds: dict[str, int] = {}
+    def __init__(self, files) -> None:
+        self.files = files  # the trace writer's ChecksummedFiles (None: the writer keeps no token files)
         self._tokens: list[str] = []
         self._index: list[str] = []
         self._bin: list[bytes] = []
@@ -34,12 +30,6 @@ class TokenStoreWriter:
         self.unrowed: dict[str, int] = {}  # layout code ("?", "x") -> values compared whole
         self.current: dict[int, tuple[str, int]] = {}  # vid -> (code, offset) of the root call in progress
         self.shared = 0  # values that point at another value's rows (views of it)
-
-    def _fd(self, name: str) -> int:
-        fd = self._fds.get(name)
-        if fd is None:
-            fd = self._fds[name] = os.open(self.path / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        return fd
 
     def add_grid(self, grid) -> None:
         for number, first in grid.new_seqs:
@@ -74,35 +64,33 @@ class TokenStoreWriter:
         self.shared += 1
 
     def end_call(self) -> None:
+        """The root call's records are all handed to the trace writer: its token lines may follow them."""
         self.current.clear()
-        self.flush()
+        self.hand_over()
 
-    def flush(self) -> None:
-        self.write_parts(self._bin, self._index, self._tokens)
+    def hand_over(self) -> None:
+        self.add_parts(self._bin, self._index, self._tokens)
 
-    def write_parts(self, bins: list, index: list, tokens: list) -> None:
-        """Append row bytes, then rows.jsonl lines, then tokens.jsonl lines (bytes before the lines that point at
-        them); each list is emptied once written. (The device path's store calls it from the writer thread.)"""
+    def add_parts(self, bins: list, index: list, tokens: list) -> None:
+        """Hand row bytes, rows.jsonl lines and tokens.jsonl lines to the trace writer's files; each list is
+        emptied. (The device path's store calls it from the writer thread with lists of its own.)"""
+        files = self.files
+        if files is None:
+            bins.clear(), index.clear(), tokens.clear()
+            return
         if bins:
-            os.write(self._fd(ROWS_BIN), b"".join(bins))
+            files.add(ROWS_BIN, b"".join(bins))
             bins.clear()
         if index:
-            os.write(self._fd(ROWS_INDEX), ("\n".join(index) + "\n").encode())
+            files.add(ROWS_INDEX, ("\n".join(index) + "\n").encode())
             index.clear()
         if tokens:
-            os.write(self._fd(TOKENS), ("\n".join(tokens) + "\n").encode())
+            files.add(TOKENS, ("\n".join(tokens) + "\n").encode())
             tokens.clear()
 
     def close(self) -> dict:
-        try:
-            self.flush()
-        except OSError:
-            self._bin.clear(), self._index.clear(), self._tokens.clear()
-            raise
-        finally:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        """Hand over what is left (the trace writer's close writes it); meta.json's `tokens` summary."""
+        self.hand_over()
         from divtrace.trace.hashing import ROW_SCHEME
 
         return {"row_scheme": ROW_SCHEME, "grids": self.grids, "values_with_rows": self.values + self.shared,

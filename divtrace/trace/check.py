@@ -2,10 +2,10 @@
 
 Opening the trace already verified records.jsonl against its sha256 and validated every record. Here every
 stored tensor is checked against its fingerprint (and, in older traces that carry one, every shard file
-against its sha256 first), and every view stored as "rebuild from the op" against the fingerprint derived from
-its op and input. (meta.json was checked against the records when the trace was opened, see
-trace/integrity.py; a file of the trace that cannot be read but is not needed, a closed trace's
-checksums.jsonl, is a problem here.)"""
+against its sha256 first), every view stored as "rebuild from the op" against the fingerprint derived from
+its op and input, and the token files against their sha256 and line by line (divtrace/trace/token_checks.py).
+(meta.json was checked against the records when the trace was opened, see trace/integrity.py; a file of the trace
+that cannot be read but is not needed, a closed trace's checksums.jsonl, is a problem here.)"""
 from __future__ import annotations
 
 from divtrace.errors import DivtraceError
@@ -13,6 +13,7 @@ from divtrace.errors import DivtraceError
 
 def check_trace(t) -> dict:
     problems = list(t.shard_problems())
+    token_problems = t.token_problems()  # (a trace written before token checksums adds its one warning here)
     blobs_seen = set()
     n = 0
     bad_shards = {p.split(":")[0] for p in problems}
@@ -32,6 +33,12 @@ def check_trace(t) -> dict:
     if not t.verified:
         problems += t.warnings
     problems += t.file_problems  # a file of the trace that cannot be read (each also a warning when opened)
+    problems += token_problems
     if not t.complete:
         problems.append(f"{t.path}: trace is incomplete (status: {t.status})")
-    return {"ok": not problems, "tensors": n, "views": len(views), "problems": problems}
+    tokens = None
+    if not token_problems and t.token_index().has_tokens:
+        ix = t.token_index()
+        tokens = {"grids": len(ix.grids), "rows": len(ix.bin), "values_with_rows": len(ix.index),
+                  "verified": ix.verified}
+    return {"ok": not problems, "tensors": n, "views": len(views), "tokens": tokens, "problems": problems}

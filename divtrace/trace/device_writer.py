@@ -28,7 +28,53 @@ from divtrace.trace.device_results import (DeviceBatches, PendingRows, PendingVa
 from divtrace.trace.hashing.rows import row_fingerprints
 from divtrace.trace.fingerprint import dtype_name, flat_bytes
 from divtrace.trace.hashing.tensor import tensor_fingerprint
-from divtrace.trace.records import TensorValue, record_compact
+from divtrace.trace.files import compact_encoder
+from divtrace.trace.records import TensorValue, json_safe, record_compact
+
+_ENCODE = compact_encoder()
+
+
+def encode_line(d: dict) -> str:
+    """A record's line (records.jsonl), as compact JSON."""
+    try:
+        return _ENCODE(d)
+    except ValueError:  # a non-finite float slipped into an op argument
+        return _ENCODE(json_safe(d))
+
+
+class DeviceWriterHooks:
+    """What TraceWriter offers its device path (kept here, beside it): the path itself, and the writer thread's
+    ways into the writer's files."""
+
+    blobs = property(lambda self: self._shards.blobs, doc="Full mode: blob key -> the shard it is in.")
+    shard_bytes = property(lambda self: self._shard_bytes)
+    encode_record = staticmethod(encode_line)
+
+    def use_device(self, forced: bool = False):
+        """Write through the device path from now on: values on a device are fingerprinted there and records are
+        written by a writer thread (DeviceWriting); `forced` sends CPU tensors that way too (tests run the device
+        path's code on the CPU). Returns it."""
+        self.device = DeviceWriting(self, forced)
+        return self.device
+
+    def write_record_lines(self, data: bytes, n: int) -> None:
+        """(the writer thread) As TraceWriter.flush: finish the open shard, write the files beside the records
+        (handed over on this thread), the checksums line, then `n` records' lines."""
+        if self.failed:
+            return
+        try:
+            if self._shards.open is not None:
+                self._finish_shard()
+            files = self.files is not None and self.files.pending_bytes > 0 and self.files.write()
+            if n or files:
+                self._write_records(data if n else b"", n)
+        except OSError as e:
+            self._fail(e)
+
+    def store_blob(self, key: str, t: torch.Tensor) -> str:
+        """(the writer thread) The shard holding blob `key`, writing `t`'s bytes there if new."""
+        shard = self._shards.blobs.get(key)
+        return shard if shard is not None else self._store(key, t)
 
 
 class Renumbering:
@@ -175,6 +221,7 @@ class DeviceWriting:
         self.late_warnings: list[str] = []  # raw writes found by the writer thread (meta.json warnings)
         self.renumbering = Renumbering(self.provisional, self.late_warnings)
         self._writer = writer
+        self.token_store = None  # the recorder's DeviceTokenStore (divtrace.record.device), if it keeps tokens
         self.fingerprint = tensor_fingerprint
         self.staging = Staging(2 * max(writer.shard_bytes, 64 << 20), self.thread) if writer.mode == "full" else None
         self.staged_bytes = 0  # full mode: bytes staged since the last flush (a shard's worth flushes)
@@ -224,11 +271,25 @@ class DeviceWriting:
         upto = len(self.provisional)
         self.thread.submit(self.batches.seal(), lambda: fn(upto))
 
-    def submit_records(self, records: list, n: int) -> None:
-        self.staged_bytes = 0
-        self.submit(lambda upto: self._write(records, n, upto))
+    def flush_due(self, shard_bytes: int, files_bytes: int) -> bool:
+        """Whether the bytes staged (full mode) or the token lines handed over call for a flush now."""
+        store = self.token_store
+        return self.staged_bytes >= shard_bytes or (store is not None and store.pending_bytes >= files_bytes)
 
-    def _write(self, records: list, n: int, upto: int) -> None:
+    def flush_and_wait(self) -> None:
+        """Flush the trace writer and wait for the writer thread (at close: outside the block)."""
+        self._writer.flush()
+        self.wait_idle()
+
+    def submit_records(self, records: list, n: int) -> None:
+        """(a flush) The pending records, and the token lines handed over, to the writer thread."""
+        parts = self.token_store.take_handed() if self.token_store is not None else []
+        if not (n or parts):
+            return
+        self.staged_bytes = 0
+        self.submit(lambda upto: self._write(records, n, upto, parts))
+
+    def _write(self, records: list, n: int, upto: int, parts: list) -> None:
         """(writer thread) The lines of `records`, as the CPU path writes them, appended to records.jsonl."""
         ren = self.renumbering
         ren.settle(upto)
@@ -254,7 +315,9 @@ class DeviceWriting:
                 lines.append(encode(ren.record(record_compact(rec, values))))
             else:
                 lines.append(encode(record_compact(rec, values)))
-        self._writer.write_record_lines(("\n".join(lines) + "\n").encode(), n)
+        if parts:
+            self.token_store.write_handed(parts)
+        self._writer.write_record_lines(("\n".join(lines) + "\n").encode() if lines else b"", n)
 
     def _store(self, v: TensorValue, hx: str, staged: StagedBytes) -> None:
         """(writer thread) Full mode: `v`'s blob, its bytes written into the open shard when new."""

@@ -1,7 +1,9 @@
 """Integrity of a trace's files: records.jsonl against its recorded sha256 (meta.json's when the recording
-closed, else checksums.jsonl's checkpoints, which also cover what a killed run left), and the stored tensor
-bytes against their fingerprints (older traces: each shard against its sha256). `show --check`
-(divtrace/trace/check.py) and bisect, before it says "identical", ask for the whole of it."""
+closed, else checksums.jsonl's checkpoints, which also cover what a killed run left), the files appended in step
+with it (the token files: which prefix of each the same checkpoint vouches for, `file_sums`; they are checked
+when read, divtrace/trace/token_checks.py), and the stored tensor bytes against their fingerprints (older traces:
+each shard against its sha256). `show --check` (divtrace/trace/check.py) and bisect, before it says
+"identical", ask for the whole of it."""
 from __future__ import annotations
 
 import hashlib
@@ -10,6 +12,13 @@ import json
 from divtrace.errors import DivtraceError
 from divtrace.trace.fields import _is_int
 from divtrace.trace.files import CHECKSUMS, META, RECORDS, sha256_file
+
+
+def _file_sums_ok(files) -> bool:
+    """A checkpoint's `files`: {name: [bytes, sha256]}."""
+    return isinstance(files, dict) and all(
+        isinstance(v, list) and len(v) == 2 and _is_int(v[0]) and v[0] >= 0 and isinstance(v[1], str)
+        for v in files.values())
 
 
 class Integrity:
@@ -24,8 +33,11 @@ class Integrity:
         except OSError as e:
             raise DivtraceError(f"{where}: cannot read records: {e.strerror or e}") from None
         sums = self.meta.get("checksums")
+        files = self.meta.get("file_checksums")
         if sums is not None:  # the recording closed: the whole file is accounted for
             self._shard_sums = dict(sums["shards"])
+            if files is not None:
+                self.file_sums = {n: (d["bytes"], d["sha256"]) for n, d in files.items()}
             want = sums["records"]
             if len(raw) != want["bytes"]:
                 raise DivtraceError(f"{where}: {len(raw)} bytes, but the recording closed it at {want['bytes']} "
@@ -41,7 +53,14 @@ class Integrity:
             self.warnings.append(f"{self.path}: no checksums (meta.json unfinished and {CHECKSUMS} missing): "
                                  "records are not verified")
             return raw
-        best = max((c for c in checkpoints if c[0] <= len(raw)), default=(0, hashlib.sha256(b"").hexdigest()))
+        # The last checkpoint whose records reached the file (checkpoints grow; one line may follow another with
+        # the same records and more of the files beside them).
+        best = (0, hashlib.sha256(b"").hexdigest(), {})
+        for c in checkpoints:
+            if c[0] <= len(raw):
+                best = c
+        if files is not None:
+            self.file_sums = {n: tuple(v) for n, v in best[2].items()}
         if hashlib.sha256(raw[:best[0]]).hexdigest() != best[1]:
             raise DivtraceError(f"{where}: the first {best[0]} bytes do not match their sha256 in {CHECKSUMS} "
                                 "(edited or corrupted)")
@@ -67,8 +86,9 @@ class Integrity:
         self.warnings.append(self.file_problems[-1])
 
     def _read_checksums_file(self, closed: bool = False):
-        """The (bytes, sha256) checkpoints of records.jsonl in checksums.jsonl (and older traces' shard
-        digests, into _shard_sums); None when there is no such file. A line the run did not finish is dropped,
+        """The (bytes, sha256, files) checkpoints of records.jsonl and of the files beside it ({name: [bytes,
+        sha256]}) in checksums.jsonl (and older traces' shard digests, into _shard_sums); None when there is no
+        such file. A line the run did not finish is dropped,
         unless the recording `closed` (then every line was finished)."""
         where = self.path / CHECKSUMS
         try:
@@ -87,9 +107,11 @@ class Integrity:
                 d = json.loads(line)
             except (ValueError, RecursionError):
                 raise DivtraceError(f"{where}:{n}: corrupt line (not JSON)") from None
-            if isinstance(d, dict) and set(d) == {"records", "sha256"} and _is_int(d["records"]) \
-                    and isinstance(d["sha256"], str):
-                checkpoints.append((d["records"], d["sha256"]))
+            if isinstance(d, dict) and set(d) - {"files"} == {"records", "sha256"} and _is_int(d["records"]) \
+                    and isinstance(d["sha256"], str) and _file_sums_ok(d.get("files", {})):
+                if checkpoints and d["records"] < checkpoints[-1][0]:
+                    raise DivtraceError(f"{where}:{n}: a checkpoint of fewer records than the line before it")
+                checkpoints.append((d["records"], d["sha256"], d.get("files", {})))
             elif isinstance(d, dict) and set(d) == {"shard", "sha256", "bytes"} and isinstance(d["shard"], str) \
                     and isinstance(d["sha256"], str):
                 self._shard_sums[d["shard"]] = d["sha256"]
@@ -236,12 +258,31 @@ class Integrity:
                 problems.append(str(e))
         return problems
 
+    # token files ------------------------------------------------------------------------------------------
+    def token_index(self):
+        """The token files, read back and checked (divtrace.trace.token_store.TokenIndex; read once). Raises
+        DivtraceError naming the file and line of any damage."""
+        if self._token_index is None:
+            from divtrace.trace.token_store import TokenIndex
+
+            self._token_index = TokenIndex(self)
+        return self._token_index
+
+    def token_problems(self) -> list[str]:
+        """What is wrong with the token files (every line and row checked), one line each; [] when nothing is."""
+        try:
+            self.token_index().check()
+        except DivtraceError as e:
+            return [str(e)]
+        return []
+
     def verify_shards(self) -> None:
-        """Raise DivtraceError (naming the file) unless every stored byte is what the recording wrote. Bisect
-        calls it before it reports "identical", which it otherwise decides from fingerprints alone."""
+        """Raise DivtraceError (naming the file) unless every stored byte is what the recording wrote: tensors and
+        token files. Bisect calls it before it reports "identical", which it otherwise decides from fingerprints
+        alone."""
         if self._shards_verified:
             return
-        problems = self.shard_problems()
+        problems = self.token_problems() + self.shard_problems()
         if problems:
             more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
             raise DivtraceError(problems[0] + more)

@@ -51,6 +51,14 @@ def _checksums_ok(c) -> bool:
             and isinstance(s, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in s.items()))
 
 
+def _file_checksums_ok(c) -> bool:
+    """meta.json's `file_checksums`: {name: null (the recording has not closed) or {"sha256", "bytes"}}."""
+    return isinstance(c, dict) and all(
+        isinstance(k, str) and (v is None or (isinstance(v, dict) and set(v) == {"sha256", "bytes"}
+                                              and isinstance(v["sha256"], str) and _is_int(v["bytes"]) and v["bytes"] >= 0))
+        for k, v in c.items())
+
+
 def check_trace_dir(p: Path) -> None:
     """Raise DivtraceError unless `p` is a directory holding a meta.json."""
     try:
@@ -98,6 +106,9 @@ def read_meta(path: Path) -> dict:
                             f"(it knows {HASH_SCHEME!r} and {TENSOR_SCHEME!r}); upgrade divtrace"[:300])
     if "checksums" in meta and not _checksums_ok(meta["checksums"]):
         raise DivtraceError(f"{where}: field 'checksums' is malformed (edited by hand?)")
+    if "file_checksums" in meta and (not _file_checksums_ok(meta["file_checksums"]) or (
+            "checksums" in meta and None in meta["file_checksums"].values())):
+        raise DivtraceError(f"{where}: field 'file_checksums' is malformed (edited by hand?)")
     if meta.get("complete") is True and ("checksums" not in meta or meta.get("status") != "complete"):
         raise DivtraceError(f"{where}: marked complete but lacks what a finished recording writes (status, "
                             "checksums): edited by hand?")

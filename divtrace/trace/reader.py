@@ -77,6 +77,10 @@ class Trace(IndexBuilding, ReferenceReader, Integrity, RecordViews, TensorAccess
         self.warnings: list[str] = []
         self.file_problems: list[str] = []  # files of the trace that cannot be read but are not needed to read it
         self._shard_sums: dict[str, str] = {}
+        # name -> (bytes, sha256) of each file appended beside records.jsonl (the token files) that the checksums
+        # vouch for; None: the trace predates those checksums, or its checkpoints are missing (read unverified)
+        self.file_sums: dict[str, tuple[int, str]] | None = None
+        self._token_index = None
         self._reset()
         self._read_records()
         self.check_meta()  # meta.json against what the records show: a mismatch is a damaged trace

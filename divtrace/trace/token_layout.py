@@ -191,3 +191,24 @@ def override(rules: list, path: str, shape, grid_shape: list[int], inferred: str
                                     f"{list(grid_shape)}")
             return code
     return inferred
+
+
+def fits(code: str, shape, grid_shape) -> bool:
+    """Whether a value of `shape` can hold token rows laid out as `code` in a call with token grid `grid_shape`
+    (what a reader checks rows.jsonl's layouts against)."""
+    shape, grid_shape = list(shape), list(grid_shape)
+    nd = len(shape)
+    if code in (AMBIGUOUS, CROSS):
+        return nd >= 1
+    if code == "n":
+        return nd >= 1 and shape[0] == row_count("n", grid_shape)
+    if len(grid_shape) != 2:
+        return False
+    b, t = grid_shape
+    if code == "bt":
+        return nd >= 2 and shape[:2] == [b, t]
+    if code == "bht":
+        return nd >= 3 and shape[0] == b and shape[2] == t
+    if code.startswith("last"):
+        return nd >= 2 and shape[0] == b and shape[1] == int(code[4:]) < t
+    return False

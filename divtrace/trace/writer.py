@@ -7,7 +7,8 @@ file renamed into place), then appends the records to records.jsonl. So every re
 bytes already on disk, and a crash at any moment leaves a readable prefix.
 
 Integrity: before each append, `checksums.jsonl` gets the sha256 of records.jsonl as it will be after the
-append (a running digest). A reader verifies the records prefix a SIGKILL left behind from it; `close` also
+append (a running digest), and of each file appended beside it in step (the token files, side_files.py), whose
+bytes go first. A reader verifies the records prefix a SIGKILL left behind from it; `close` also
 copies the final digest into meta.json. Shard bytes are verified by the records: every stored tensor is
 content-addressed by its fingerprint, checked on every read. A failed write (disk full) stops the recording:
 records.jsonl is cut back to its last whole flush, the shard being filled is removed, the trace is marked
@@ -29,34 +30,29 @@ import torch
 from divtrace.errors import DivtraceError
 from divtrace.oserrors import os_reason
 from divtrace.trace.directory import prepare_trace_dir, release_lock, remove_if_created
-from divtrace.trace.files import CHECKSUMS, META, RECORDS, atomic_write_bytes, compact_encoder, fsync_dir, readable_json
+from divtrace.trace.files import CHECKSUMS, META, RECORDS, atomic_write_bytes, fsync_dir, readable_json
 from divtrace.trace.fingerprint import dtype_name, flat_bytes
 # Traces are written in the shard-summable scheme (docs/trace-format.md, "Fingerprint schemes"); the older
 # lane32-wsum128 is still read (divtrace.trace.fingerprint.hasher).
 from divtrace.trace.hashing import TENSOR_SCHEME as HASH_SCHEME
 from divtrace.trace.hashing.tensor import IMPLEMENTATION, hash_with_stats as fingerprint
 from divtrace.trace.records import FORMAT_VERSION, TensorValue, json_safe, record_compact
+from divtrace.trace.device_writer import DeviceWriterHooks, encode_line
 from divtrace.trace.shards import ShardStore
+from divtrace.trace.side_files import ChecksummedFiles
 
-_ENCODE = compact_encoder()
-
-
-def _encode_line(d: dict) -> str:
-    try:
-        return _ENCODE(d)
-    except ValueError:  # a non-finite float slipped into an op argument
-        return _ENCODE(json_safe(d))
 
 
 def _record_line(rec, values: list[TensorValue]) -> str:
     # Records and values are flat dataclasses of JSON-ready fields (stats were made safe when taken), so
     # record_compact reads their fields directly: dataclasses.asdict deep-copies and was a third of the cost.
-    return _encode_line(record_compact(rec, values))
+    return encode_line(record_compact(rec, values))
 
 
-class TraceWriter:
+class TraceWriter(DeviceWriterHooks):
     def __init__(self, path, *, mode: str, meta: dict, overwrite: bool = False,
-                 shard_bytes: int = 128 << 20, flush_records: int = 4096, durable: bool = False):
+                 shard_bytes: int = 128 << 20, flush_records: int = 4096, durable: bool = False,
+                 checksummed_files=()):
         if mode not in ("full", "hash"):
             raise DivtraceError(f"mode must be 'full' or 'hash', got {mode!r}")
         self.path = Path(path)
@@ -66,6 +62,13 @@ class TraceWriter:
         # hash mode's only addition in version 2 (the "r" mark) is an optional key they ignore.
         self.meta = dict(meta, format_version=FORMAT_VERSION if mode == "full" else 1, mode=mode, status="running",
                          complete=False, started=time.time(), hash_scheme=HASH_SCHEME, hash_impl=IMPLEMENTATION)
+        if checksummed_files:  # from the start: a reader of a killed trace must know these files are vouched for
+            self.meta["file_checksums"] = dict.fromkeys(checksummed_files)
+        # files appended in step with records.jsonl (the token files: `files.add`), flushed with it
+        self.files = ChecksummedFiles(self.path, checksummed_files) if checksummed_files else None
+        self._files_bytes = min(shard_bytes, 64 << 20)  # flush when that much of them is pending
+        # called at the start of each flush: the token store hands over what it holds for the records written with it
+        self.before_flush: list = []
         self._shard_bytes = shard_bytes
         self._durable = durable
         self._flush_records = max(1, int(flush_records))
@@ -104,7 +107,10 @@ class TraceWriter:
                                 + ("the directory was removed" if removed else "nothing was recorded")) from None
 
     def _sync_data(self) -> None:
-        """fsync records.jsonl and every finished shard (best effort: a file system without fsync still closes)."""
+        """fsync records.jsonl, the files beside it and every finished shard (best effort: a file system without
+        fsync still closes)."""
+        if self.files is not None:
+            self.files.sync()
         try:
             os.fsync(self._records_fd)
             for name in self._shards.names:
@@ -122,15 +128,6 @@ class TraceWriter:
         except ValueError:
             text = readable_json(json_safe(self.meta))
         atomic_write_bytes(self.path / META, (text + "\n").encode(), durable)
-
-    def use_device(self, forced: bool = False):
-        """Write through the device path from now on: values on a device are fingerprinted there and records are
-        written by a writer thread (divtrace.trace.device_writer); `forced` sends CPU tensors that way too (tests
-        run the device path's code on the CPU). Returns it."""
-        from divtrace.trace.device_writer import DeviceWriting
-
-        self.device = DeviceWriting(self, forced)
-        return self.device
 
     # values ---------------------------------------------------------------------------------------------
     def is_buffered(self, vid: int) -> bool:
@@ -181,9 +178,6 @@ class TraceWriter:
         finally:
             self.store_seconds += time.perf_counter() - t0
 
-    blobs = property(lambda self: self._shards.blobs, doc="Full mode: blob key -> the shard it is in.")
-    shard_bytes = property(lambda self: self._shard_bytes)
-
     @property
     def bytes_written(self) -> int:
         """Bytes of records.jsonl and of the finished shards written."""
@@ -200,28 +194,35 @@ class TraceWriter:
         self.n_records += 1
         if len(self._pending_records) >= self._flush_records or (
                 self._shards.open is not None and self._shards.open.size >= self._shard_bytes) or (
-                self.device is not None and self.device.staged_bytes >= self._shard_bytes):
+                self.files is not None and self.files.pending_bytes >= self._files_bytes) or (
+                self.device is not None and self.device.flush_due(self._shard_bytes, self._files_bytes)):
             self.flush()
 
     def flush(self) -> None:
-        """Finish the open shard, then write the pending records after it."""
+        """Finish the open shard, write the files appended beside the records, then the checksums line that
+        vouches for both, then the pending records."""
         if self.failed:
             return
         if self.device is not None:  # the writer thread writes, once the values' device results have landed
             self.device.check()
+            for hand_over in self.before_flush:  # (the device path's token store keeps them for the writer thread)
+                hand_over()
             records = self._pending_records
             if records:
                 self._written_vids_below = self._next_vid
                 self._pending_records = []
-                self.device.submit_records(records, len(records))
+            self.device.submit_records(records, len(records))
             return
         self.critical = True
         try:
             if self._shards.open is not None:
                 self._finish_shard()
+            for hand_over in self.before_flush:
+                hand_over()
             data = self._take_records()
-            if data is not None:
-                self._write_records(*data)
+            files = self.files is not None and self.files.pending_bytes > 0 and self.files.write()
+            if data is not None or files:
+                self._write_records(*(data or (b"", 0)))
         except OSError as e:
             self._fail(e)
         finally:
@@ -235,6 +236,8 @@ class TraceWriter:
         self.failed = f"write failed: {what}"
         self._pending_records = []
         self._shards.discard()
+        if self.files is not None:
+            self.files.discard()
         raise DivtraceError(f"{self.path}: {self.failed}; recording stopped, the trace keeps the "
                             f"{self.n_written} records written before and is marked incomplete") from None
 
@@ -248,24 +251,6 @@ class TraceWriter:
         self._pending_records = []
         return data, n
 
-    encode_record = staticmethod(_encode_line)
-
-    def write_record_lines(self, data: bytes, n: int) -> None:
-        """(the device path's writer thread) Finish the open shard, then append `n` records' lines."""
-        if self.failed:
-            return
-        try:
-            if self._shards.open is not None:
-                self._finish_shard()
-            self._write_records(data, n)
-        except OSError as e:
-            self._fail(e)
-
-    def store_blob(self, key: str, t: torch.Tensor) -> str:
-        """(the device path's writer thread) The shard holding blob `key`, writing `t`'s bytes there if new."""
-        shard = self._shards.blobs.get(key)
-        return shard if shard is not None else self._store(key, t)
-
     def _finish_shard(self) -> None:
         t0 = time.perf_counter()
         try:
@@ -274,12 +259,15 @@ class TraceWriter:
             self.store_seconds += time.perf_counter() - t0
 
     def _write_records(self, data: bytes, n: int) -> None:
-        """The records checksum line, then the records."""
+        """The checksums line (records.jsonl as it will be, and the files beside it as they are), then the records."""
         running = self._records_sha.copy()
         running.update(data)
         # The digest goes first: a crash between the two writes leaves a digest for bytes that never came,
         # which the reader skips, never bytes without a digest.
-        self._append_sums([{"records": self._records_size + len(data), "sha256": running.hexdigest()}])
+        line = {"records": self._records_size + len(data), "sha256": running.hexdigest()}
+        if self.files is not None and self.files.checkpoint():
+            line["files"] = self.files.checkpoint()
+        self._append_sums([line])
         self._append(self._records_fd, data, self._records_size)
         self._records_sha = running
         self._records_size += len(data)
@@ -330,6 +318,9 @@ class TraceWriter:
             self._sync_data()
         for fd in (self._records_fd, self._sums_fd):
             os.close(fd)
+        if self.files is not None:
+            self.files.close()
+            extra["file_checksums"] = self.files.final()
         self.meta.update(status=status, complete=(status == "complete"), error=error, records=self.n_written,
                          shards=list(self._shards.names), finished=time.time(),
                          checksums={"records": {"sha256": self._records_sha.hexdigest(), "bytes": self._records_size},

@@ -203,7 +203,7 @@ class VllmCalls(ModuleCalls):
             finally:
                 tokens.grid = None
                 tokens.rowed.clear()
-                tokens.store.flush()
+                tokens.store.hand_over()
         kind = self._derive.get(id(module))
         if kind is not None and isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
             extra = self._derived_outputs(kind, module, output)
