@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from divtrace.errors import DivtraceError
+from divtrace.record.device import attach, wants_device_path
 from divtrace.record.lifecycle import ACTIVE, ACTIVE_MODELS, STATE, SignalHandlers, closing_status
 from divtrace.record.module_calls import ModuleCalls, compile_filters
 from divtrace.record.op_records import OpRecorder
@@ -96,6 +97,8 @@ class Recorder:
                                   durable=self._durable, checksummed_files=TOKEN_FILES if self.token_rows.on else ())
         self.calls.writer = self.values.writer = self.op_records.writer = self.writer
         self.token_rows.open(self.writer)
+        if wants_device_path(device):  # fingerprints on the device, nothing waits for it (divtrace.record.device)
+            attach(self.writer, self.token_rows)
         ACTIVE_MODELS.add(id(self.model))
         ACTIVE.append(self)
         if self._regions:

@@ -44,6 +44,7 @@ class TokenRows:
         self.tracker = TokenTracker()
         self.grid = None  # the token grid of the root call in progress (divtrace.record.token_identity.TokenGrid)
         self.store: TokenStoreWriter | None = None
+        self.device = None  # the trace writer's device path, where values are fingerprinted on their device
         self.rowed: set[int] = set()  # vids whose token rows were looked at (the current root call's)
         self.unrowed: set[int] = set()  # of those, the ones no layout fitted (a root output may fit one: lastK)
         self.last_grid = None  # the grid of the last root call that ended (what rec.final's rows refer to)
@@ -107,9 +108,13 @@ class TokenRows:
             if ref is not None and token_layout.same_rows(ref[0], code, alias[1], t, g.shape):
                 self.store.add_rows_ref(vid, g.call_id, code, ref[1])
                 return
-        hashes = strided_row_fingerprints(t, code, token_layout.row_count(code, g.shape))
-        if hashes is None:
-            hashes = rows_bytes(row_fingerprints(token_layout.rows_2d(t, code)))
+        dev = self.device
+        if dev is not None and (dev.forced or not t.is_cpu):  # on the device, read on the writer thread
+            hashes = dev.pending_rows(token_layout.rows_2d(t, code))
+        else:
+            hashes = strided_row_fingerprints(t, code, token_layout.row_count(code, g.shape))
+            if hashes is None:
+                hashes = rows_bytes(row_fingerprints(token_layout.rows_2d(t, code)))
         self.store.add_rows(vid, g.call_id, code, hashes)
 
     def observe_positions(self, t: torch.Tensor) -> None:

@@ -78,19 +78,24 @@ class TokenStoreWriter:
         self.hand_over()
 
     def hand_over(self) -> None:
+        self.add_parts(self._bin, self._index, self._tokens)
+
+    def add_parts(self, bins: list, index: list, tokens: list) -> None:
+        """Hand row bytes, rows.jsonl lines and tokens.jsonl lines to the trace writer's files; each list is
+        emptied. (The device path's store calls it from the writer thread with lists of its own.)"""
         files = self.files
         if files is None:
-            self._bin.clear(), self._index.clear(), self._tokens.clear()
+            bins.clear(), index.clear(), tokens.clear()
             return
-        if self._bin:
-            files.add(ROWS_BIN, b"".join(self._bin))
-            self._bin.clear()
-        if self._index:
-            files.add(ROWS_INDEX, ("\n".join(self._index) + "\n").encode())
-            self._index.clear()
-        if self._tokens:
-            files.add(TOKENS, ("\n".join(self._tokens) + "\n").encode())
-            self._tokens.clear()
+        if bins:
+            files.add(ROWS_BIN, b"".join(bins))
+            bins.clear()
+        if index:
+            files.add(ROWS_INDEX, ("\n".join(index) + "\n").encode())
+            index.clear()
+        if tokens:
+            files.add(TOKENS, ("\n".join(tokens) + "\n").encode())
+            tokens.clear()
 
     def close(self) -> dict:
         """Hand over what is left (the trace writer's close writes it); meta.json's `tokens` summary."""
