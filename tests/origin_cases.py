@@ -27,18 +27,7 @@ import token_cases as tc  # noqa: E402
 
 
 def llama(hidden: int = 128, layers: int = 2, dtype=torch.float32, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=tc.VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                      attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # RMSNorm weights start at 1.0, where a cast-order change cannot show: make them real
-        for m in model.modules():
-            if type(m).__name__ == "LlamaRMSNorm":
-                m.weight.normal_(1.0, 0.1)
-    return model.to(dtype).eval()
+    return tc.llama(dtype=dtype, layers=layers, seed=seed, hidden=hidden)
 
 
 @dataclass

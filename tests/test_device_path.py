@@ -14,6 +14,7 @@ The controls show the traps catch the CPU path and a read slipped into the devic
 from __future__ import annotations
 
 import importlib.util
+import contextlib
 import json
 import math
 import os
@@ -332,3 +333,48 @@ def test_a_value_shows_its_hex_hash_only_with_its_blob(tmp_path, monkeypatch):
     monkeypatch.setattr(device_writer.DeviceWriting, "_store", checked)
     record(llama(), tmp_path / "dev", forward, device=True, mode="full")
     assert seen and all(seen)
+
+
+def test_declared_finals_and_positions_used_write_what_the_cpu_path_writes(tmp_path):
+    """Issue 28's token lines on the device path: the positions a model uses (HF's own arange where none are
+    passed; a `P` line, queued for the host rather than read inside the block) and rec.final's declared values
+    (a value rowed in its root call already is not rowed again) make the files the CPU path makes."""
+    m = llama()
+
+    def run(rec):
+        out = m(input_ids=IDS, attention_mask=torch.ones_like(IDS))
+        last = out.logits[:, -1]
+        rec.final(torch.log_softmax(last.float(), -1)[:, 3], rows=rec.last_rows(), kind="logprobs", targets=[3, 3])
+        rec.final(out.logits.reshape(-1, out.logits.shape[-1]))  # every cell: rows the root call has already
+
+    for side, dev in (("cpu", False), ("dev", True)):
+        with contextlib.ExitStack() as stack:
+            if dev:
+                stack.enter_context(forced_device_path())
+                stack.enter_context(torch_path(False))
+            rec = stack.enter_context(divtrace.record(m, tmp_path / side, mode="hash"))
+            stack.enter_context(torch.no_grad())
+            run(rec)
+    assert_same_trace(tmp_path / "cpu", tmp_path / "dev")
+    lines = [json.loads(x) for x in (tmp_path / "dev" / "tokens.jsonl").read_text().splitlines()]
+    assert [x["used"] for x in lines if "P" in x] == [list(range(6)) * 2]
+    assert sum(1 for x in lines if x.get("src", "").startswith("final:")) == 2
+
+
+def test_an_engines_declared_finals_write_what_the_cpu_path_writes(tmp_path):
+    """A vLLM-style engine (tests/engine_model.py: flattened batch, logits on the last row of each sequence,
+    declared with rec.final): a decode step's logits are rows of the root call already, which rec.final must not
+    row again on the device path either."""
+    import engine_model as em
+    import token_cases as tc
+
+    eng = em.Engine.from_hf(tc.llama(), ())
+    for side, dev in (("cpu", False), ("dev", True)):
+        with contextlib.ExitStack() as stack:
+            if dev:
+                stack.enter_context(forced_device_path())
+                stack.enter_context(torch_path(False))
+            rec = stack.enter_context(divtrace.record(eng, tmp_path / side, mode="hash"))
+            stack.enter_context(torch.no_grad())
+            em.generate(eng, tc.prompts(), 3, rec=rec)
+    assert_same_trace(tmp_path / "cpu", tmp_path / "dev")

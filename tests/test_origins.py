@@ -410,22 +410,23 @@ def test_inline_layer_norm_against_a_layer_norm_module(tmp_path):
     assert f["module"] == "" and "layer_norm" in (f["op"] or "") and "layer_norm" in (f["op_b"] or ""), f
 
 
+def _scale_prefill_rows(linear):
+    """Plant: the linear's output scaled by 1 + 2**-6 on calls over more than 4 rows (the prefill's), only."""
+    real = type(linear).forward
+
+    def prefill_only(self, x):
+        y = real(self, x)
+        return y * (1 + 2 ** -6) if x.reshape(-1, x.shape[-1]).shape[0] > 4 else y
+
+    linear.forward = types.MethodType(prefill_only, linear)
+
+
 def _two_origins(tmp_path):
     """bf16 (batch-invariant matmuls here): the rollout's layer-0 down_proj splits K on decode rows only, and its
     layer-1 o_proj scales prefill rows only."""
-    def plant(m):
-        tc.batch_dependent_linear(m.model.layers[0].mlp.down_proj)
-        o = m.model.layers[1].self_attn.o_proj
-        real = type(o).forward
-
-        def prefill_only(self, x):
-            y = real(self, x)
-            return y * (1 + 2 ** -6) if x.reshape(-1, x.shape[-1]).shape[0] > 4 else y
-
-        o.forward = types.MethodType(prefill_only, o)
-
     m = oc.llama(dtype=torch.bfloat16)
-    plant(m)
+    tc.batch_dependent_linear(m.model.layers[0].mlp.down_proj)
+    _scale_prefill_rows(m.model.layers[1].self_attn.o_proj)
     roll = oc.rollout(m, tmp_path / "roll", tc.prompts(), mode="full")
     train = oc.trainer(oc.llama(dtype=torch.bfloat16), tmp_path / "train", roll.seqs, mode="full")
     return train, roll
@@ -453,18 +454,8 @@ def test_a_kv_difference_reaches_later_tokens_through_attention(tmp_path):
     """The rollout's layer-1 k_proj differs on prefill rows only: the prompt tokens' keys. A decoded token's own
     rows are equal up to its attention, whose output differs because it attends to those keys. Its origin is the
     k_proj difference of the tokens it attends to (said so), never the attention kernel "not batch-invariant"."""
-    def plant(m):
-        k = m.model.layers[1].self_attn.k_proj
-        real = type(k).forward
-
-        def prefill_only(self, x):
-            y = real(self, x)
-            return y * (1 + 2 ** -6) if x.reshape(-1, x.shape[-1]).shape[0] > 4 else y
-
-        k.forward = types.MethodType(prefill_only, k)
-
     m = oc.llama(dtype=torch.bfloat16)
-    plant(m)
+    _scale_prefill_rows(m.model.layers[1].self_attn.k_proj)
     roll = oc.rollout(m, tmp_path / "roll", tc.prompts(), mode="hash")
     train = oc.trainer(oc.llama(dtype=torch.bfloat16), tmp_path / "train", roll.seqs, mode="hash")
     truth = oc.truth(train, roll)

@@ -20,6 +20,7 @@ In: the Recorder at the start of its block. Out: the trace writer's device path 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 
 from divtrace.record.token_store import TokenStoreWriter
@@ -74,6 +75,21 @@ class _Entry:
         self.fallback = None  # deleted: the old value's entry that a view of it points at instead
 
 
+class _PendingUsed:
+    """A tokens.jsonl positions line whose ids are still on their way from the device."""
+
+    __slots__ = ("call_id", "slot")
+
+    def __init__(self, call_id, slot):
+        self.call_id, self.slot = call_id, slot
+
+    def __len__(self) -> int:
+        return 24 + 8 * self.slot.length
+
+    def line(self) -> str:
+        return json.dumps({"P": self.call_id, "used": self.slot.words().tolist()}, separators=(",", ":"))
+
+
 class DeviceTokenStore(TokenStoreWriter):
     """The token files' writer on the device path: what it is handed is resolved by the trace writer's thread and
     added to the checksummed files there, with the records of the same flush (device_writer.DeviceWriting)."""
@@ -95,13 +111,23 @@ class DeviceTokenStore(TokenStoreWriter):
     def add_rows(self, vid: int, call_id: int, code: str, hashes) -> None:
         e = _Entry(vid, call_id, code, hashes)
         self._entries.append(e)
+        self.rowed.add(vid)
         if hashes is not None:
             self.current[vid] = (code, e)
 
     def add_rows_ref(self, vid: int, call_id: int, code: str, offset) -> None:
         e = _Entry(vid, call_id, code, offset)  # (here `current` holds entries, so `offset` is the target's)
         self._entries.append(e)
+        self.rowed.add(vid)
         self.current[vid] = (code, e)
+
+    def add_used(self, call_id: int, used) -> None:
+        import torch
+
+        if not self._device.takes(used):
+            return super().add_used(call_id, used)
+        with torch.no_grad():  # queued for the host like row fingerprints; the line is made on the writer thread
+            self._tokens.append(_PendingUsed(call_id, self._device.batches.add(used.reshape(-1).to(torch.int64))))
 
     def hand_over(self) -> None:
         """(recording thread) Keep what was made since the last hand-over for the next flush's writer job."""
@@ -156,6 +182,7 @@ class DeviceTokenStore(TokenStoreWriter):
                 bins.append(data)
                 self.rows += len(data) >> 3
                 self.values += 1
+            tokens = [x if type(x) is str else x.line() for x in tokens]
             self.add_parts(bins, index, tokens)
 
 

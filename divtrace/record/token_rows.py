@@ -120,8 +120,9 @@ class TokenRows:
     def observe_positions(self, t: torch.Tensor) -> None:
         """The position ids the model uses in the current root call, from the first module input named
         `position_ids`/`positions` below the root: what HF computes itself where the caller passed none (an arange
-        over the padded length, not the positions a token has in its sequence). Read once per root call (a host
-        read of a small integer tensor, as the root's input ids are)."""
+        over the padded length, not the positions a token has in its sequence). Read once per root call: on the
+        CPU a host read of a small integer tensor, as the root's input ids are; on the device path the store
+        queues its copy, read on the writer thread."""
         self.positions_seen = True
         g = self.grid
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.is_meta:
@@ -132,13 +133,13 @@ class TokenRows:
                 t = t[None]
             if not (t.dim() == 2 and t.shape[1] == n and t.shape[0] in (1, b)):
                 return
-            used = t.expand(b, n).reshape(-1).tolist()
+            used = t.expand(b, n).reshape(-1)
         else:
             if t.dim() == 2 and t.shape[0] == 1:
                 t = t[0]
             if not (t.dim() == 1 and t.shape[0] == g.shape[0]):
                 return
-            used = t.tolist()
+            used = t
         self.store.add_used(g.call_id, used)
 
     def final(self, calls, t: torch.Tensor, rows, kind, targets, call=None) -> None:

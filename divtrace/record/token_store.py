@@ -42,9 +42,10 @@ class TokenStoreWriter:
         self._tokens.append(_COMPACT(line))
         self.grids += 1
 
-    def add_used(self, call_id: int, used: list[int]) -> None:
-        """The position ids the model used in root call `call_id`, one per cell (read from inside the call)."""
-        self._tokens.append(_COMPACT({"P": call_id, "used": used}))
+    def add_used(self, call_id: int, used) -> None:
+        """The position ids the model used in root call `call_id`, one per cell (an integer tensor, 1-D, read from
+        inside the call)."""
+        self._tokens.append(_COMPACT({"P": call_id, "used": used.tolist()}))
 
     def add_rows(self, vid: int, call_id: int, code: str, hashes) -> None:
         """`hashes`: a numpy uint64 array, one per token row, or those as little-endian bytes

@@ -236,7 +236,8 @@ class ValueIdentity:
         if dtype_name(t.dtype) == old.dtype and list(t.shape) == old.shape and list(t.stride()) == old.stride:
             v = self.writer.device.provisional_value(t, old, _RAW_WRITE if raw else None)
             if boundary and tokens.grid is not None:  # the rows the CPU path keeps when the bytes are old's
-                tokens.store.provisional(v.vid, old.vid, keep=root_output and old.vid not in tokens.rowed)
+                tokens.store.provisional(v.vid, old.vid, keep=root_output and (old.vid not in tokens.rowed
+                                                                          or old.vid in tokens.unrowed))
             settled = False
         else:
             v = self.writer.new_value(t, producer=None)
