@@ -17,8 +17,8 @@ echo "== 1. rollout vs trainer (examples/rollout_vs_trainer.py) =="
 set +e
 "$DT" bisect "$OUT/rl/train" "$OUT/rl/rollout"
 rc=$?
-echo "bisect exit code: $rc (0 identical, 1 diverged, 2 bad input, 3 inconclusive)"
-[ "$rc" -le 1 ] || exit "$rc"
+echo "bisect exit code: $rc (0 identical, 1 diverged, 2 bad input, 3 inconclusive, 4 absorbed)"
+[ "$rc" -le 1 ] || [ "$rc" -eq 4 ] || exit "$rc"  # (what parts here is this CPU's own kernels)
 set -e
 echo "== 2. planted differences (examples/llama_pair.py) =="
 "$DT" record examples/llama_pair.py:training --out "$OUT/train" --label train --arg dtype=bf16
@@ -26,6 +26,6 @@ echo "== 2. planted differences (examples/llama_pair.py) =="
 set +e
 "$DT" bisect "$OUT/train" "$OUT/infer"
 rc=$?
-echo "bisect exit code: $rc (0 identical, 1 diverged, 2 bad input, 3 inconclusive)"
+echo "bisect exit code: $rc (0 identical, 1 diverged, 2 bad input, 3 inconclusive, 4 absorbed)"
 [ "$rc" -le 1 ] || exit "$rc"
 exit 0

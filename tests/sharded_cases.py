@@ -278,6 +278,10 @@ def parallel_mlp_worker(rank, world, root):
             with divtrace.record(m, os.path.join(root, mode), mode=mode):
                 m(x)
     caps, order = capture_mlp(m, x)
+    from divtrace.record.device import forced_device_path
+
+    with forced_device_path(), torch.no_grad(), divtrace.record(m, os.path.join(root, "device"), mode="hash"):
+        m(x)  # the device path's code (partials through its batches and writer thread), run on the CPU
     # A value declared replicated (a Replicate DTensor) whose ranks hold other bytes: a finding of its own
     rep = Replicated(mesh, 2.0 ** -10 if rank == world - 1 else 0.0)
     with torch.no_grad(), divtrace.record(rep, os.path.join(root, "replicas"), mode="hash"):

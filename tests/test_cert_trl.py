@@ -160,10 +160,12 @@ def test_bf16_padding_mismatch_found_at_its_step_sequence_token_and_op(tmp_path)
     assert b.returncode == 1, b.stderr
     bj = json.loads(b.stdout)
     first = bj["first"]
-    assert bj["alignment"] == "tokens" and first["cause"] == "origin" and first["op"] is not None
-    # the origin is RoPE in layer 0's attention: generate derives position ids from the attention mask, TRL's
-    # recompute feeds none (positions count the left padding); only a left-padded sequence can part there
-    assert first["module"] == "model.layers.0.self_attn" and first["op"] == "aten.mul.Tensor"
+    assert bj["alignment"] == "tokens" and bj["verdict"] == "diverged"
+    # the cause: generate derives position ids from the attention mask, TRL's recompute feeds none (HF counts the
+    # left padding); only a left-padded sequence can part there, and it is said as such (issue 28), never as a
+    # RoPE multiply that is "not batch-invariant"
+    assert first["kind"] == "positions" and first["cause_text"].startswith("position ids differ on "), first
+    assert "not batch-invariant" not in b.stdout
     seq_first = first["token"]["seq"]["first_ids"]
     padded_prompts = [p for p in PADDED if len(p.split()) < max(len(q.split()) for q in PADDED)]
     assert any(seq_first[:len(p.split())] == [int(w[1:]) for w in p.split()] for p in padded_prompts)

@@ -192,3 +192,24 @@ def test_a_layout_line_that_is_not_one_is_a_damaged_trace(tmp_path):
     (tmp_path / LAYOUTS).write_text("\n".join(json.dumps(x) for x in good) + "\n{not json\n")
     with pytest.raises(divtrace.DivtraceError, match=f"{LAYOUTS}:3: corrupt line"):
         read_layouts(trace)
+
+
+def test_the_device_path_writes_the_layouts_the_cpu_path_writes(run):
+    """A rank recorded on the device path (forced on the CPU: the code a GPU runs, each block's partial fingerprint
+    sent to the host with the path's batches and written by its writer thread) writes the layouts the CPU path
+    writes, under the checksums, and the two runs are identical."""
+    from divtrace.trace.layouts import read_layouts
+
+    root, _, _ = run
+    for rank in (0, 1):
+        cpu = read_layouts(divtrace.open_trace(root / "tp2" / "hash" / f"rank-{rank}"))
+        dev_trace = divtrace.open_trace(root / "tp2" / "device" / f"rank-{rank}")
+        assert dev_trace.meta.get("device_path") and "layouts.jsonl" in dev_trace.meta["file_checksums"]
+        dev = read_layouts(dev_trace)
+
+        def lines(lays):
+            return sorted((tuple(v.placements), tuple(v.global_shape), tuple(v.offsets), v.src, v.partial or "")
+                          for v in lays.values.values())
+        assert lines(dev) == lines(cpu) and any(v.partial for v in dev.values.values())
+    r = divtrace.bisect(str(root / "tp2" / "device"), str(root / "tp2" / "hash"))
+    assert r.verdict == "identical", r.to_dict()

@@ -79,12 +79,16 @@ def test_batch_dependent_matmul_is_named_with_its_rows(down_proj_traces, mode):
     # every token the rollout generated from (2 prompts of 12 and 16, 3 decode steps) is shared; the trainer
     # also recomputes the last sampled token, which the rollout never fed back
     nrc = d["tokens"].pop("not_row_compared")
-    assert d["tokens"] == {"shared": 34, "only_a": 2, "only_b": 0, "differing": 6, "final_compared": 6,
-                           "final_differing": 6, "walked": 6}
+    # the logprobs of every token the rollout sampled from are compared (generate's prefill returns the last
+    # prompt token's logits only): 8, of which the 6 decode steps' differ; one walk per first differing module
+    assert {k: d["tokens"][k] for k in ("shared", "only_a", "only_b", "differing", "final_compared",
+                                        "final_differing", "walked")} == {
+        "shared": 34, "only_a": 2, "only_b": 0, "differing": 6, "final_compared": 8, "final_differing": 6, "walked": 6}
+    assert d["tokens"]["modules"]["model.layers.1.mlp.down_proj"] == 6 and d["absorbed"] == []
     assert nrc["a"] > 0 and nrc["b"] > 0  # the 4-D attention masks
     assert [o["module"] for o in d["origins"]] == ["model.layers.1.mlp.down_proj"] and d["origins"][0]["tokens"] == 6
     fin = d["final"]
-    assert fin["tokens_compared"] == 6 and fin["tokens_differing"] == 6
+    assert fin["tokens_compared"] == 8 and fin["tokens_differing"] == 6
     assert fin["first_differing_token"]["position"] == FIRST_DECODED
     if mode == "full":
         assert f["metrics_available"] and f["max_abs"] > 0 and f["shape"] == [128]  # one token's row
@@ -102,10 +106,11 @@ def test_json_doc_lists_the_token_keys(down_proj_traces):
     assert set(d) == top
     first = next(v for k, v in keys.items() if k.startswith("`first`")) | keys["Token-aligned `first`"]
     # batch_invariance only where the sides ran the same ops (not this split-K plant: test_token_align above)
-    optional = {"batch_invariance"}
+    optional = {"batch_invariance", "cause_text", "positions", "note", "reaches"}  # (only for some kinds of origin)
     assert set(d["first"]) <= first and first - set(d["first"]) <= optional, first ^ set(d["first"])
     assert set(d["origins"][0]) <= first | {"tokens"} and (first | {"tokens"}) - set(d["origins"][0]) <= optional
-    assert set(d["final"]) == keys["Token-aligned `final`"]
+    # (max_abs_logprob_diff_declared only where logprobs were compared: not here, logits on both sides)
+    assert set(d["final"]) == keys["Token-aligned `final`"] - {"max_abs_logprob_diff_declared"}
 
 
 def test_plot_is_a_token_by_module_picture(down_proj_traces, tmp_path):
@@ -128,7 +133,8 @@ def test_cli_names_the_token_and_the_batch_size_cause(down_proj_traces):
     rc, out, err = _cli("bisect", train, roll)
     assert rc == 1, err
     text = " ".join(out.split())
-    assert "FAILED: diverged: first divergence originates in model.layers.1.mlp.down_proj call 0 op aten.mm.default" in text
+    assert ("FAILED: logprobs differ on 6 of 8 tokens; first divergence originates in model.layers.1.mlp.down_proj "
+            "call 0 op aten.mm.default") in text
     assert f"at token position {FIRST_DECODED}" in text and "not batch-invariant" not in text
     assert "34 shared, 2 only in a, 0 only in b, 6 differ" in text
     rc, out, _ = _cli("bisect", train, roll, "--json")
@@ -167,7 +173,10 @@ def test_rmsnorm_cast_order_in_bf16_rollout(tmp_path, mode):
     assert d["verdict"] == "diverged" and f["module"] == "model.layers.0.input_layernorm" and f["cause"] == "origin"
     assert (f["op"], f["op_b"]) == ("aten._to_copy.default", "aten.mul.Tensor")
     assert "batch_invariance" not in f  # another op on each side: another computation, not a batch-size effect
-    assert f["token"]["position"] == 0  # every token differs from the first prompt token on
+    # every token's norm output differs from the first prompt token on; the first whose logprob both sides
+    # computed is the last prompt token (generate's prefill returns its logits only)
+    assert d["tokens"]["modules"]["model.layers.0.input_layernorm"] == 34
+    assert f["token"]["position"] == len(tc.prompts()[0]) - 1 and f["tokens"] == 8
 
 
 @pytest.mark.parametrize("mode", ["full", "hash"])
@@ -194,7 +203,8 @@ def test_left_padded_prefill_against_right_padded_batch_is_identical(tmp_path, d
     assert d["verdict"] == "identical" and d["alignment"] == "tokens" and d["first"] is None
     assert d["tokens"]["shared"] == 28 and d["tokens"]["final_compared"] == 28 and d["tokens"]["differing"] == 0
     rc, out, _ = _cli("bisect", tmp_path / "left", tmp_path / "right")
-    assert rc == 0 and "PASSED: identical: 28 shared tokens" in " ".join(out.split())
+    assert rc == 0 and "PASSED: identical: logprobs bitwise identical on 28/28 tokens; 28 shared tokens" in \
+        " ".join(out.split())
 
 
 # -- explicit declarations and the alignment self-check ----------------------------------------------------------
@@ -247,14 +257,17 @@ def test_misaligned_rows_are_refused_not_explained(tmp_path):
     assert bisect(tmp_path / "good", tmp_path / "good2", align="tokens").verdict == "identical"
 
 
-def test_different_position_ids_for_the_same_token_are_refused(tmp_path):
+def test_different_position_ids_for_the_same_token_are_a_cause(tmp_path):
+    """The same tokens fed other position ids: not an alignment error (the tokens are the same content), but the
+    cause of their difference, named before any op (issue 28)."""
     m = tc.llama(torch.float32, layers=1)
     ids, mask = tc.right_padded(tc.prompts())
     for name, shift in (("a", 0), ("b", 1)):
         with torch.no_grad(), divtrace.record(m, tmp_path / name, mode="hash"):
             m(input_ids=ids, attention_mask=mask, position_ids=tc.positions(mask) + shift)
-    with pytest.raises(DivtraceError, match="token alignment is wrong: positions: .* fed position id 0 on a .* and 1 on b"):
-        bisect(tmp_path / "a", tmp_path / "b", align="tokens")
+    d = bisect(tmp_path / "a", tmp_path / "b", align="tokens").to_dict()
+    assert d["verdict"] == "diverged" and d["first"]["kind"] == "positions"
+    assert d["first"]["cause_text"].startswith("position ids differ on 28 tokens: a 0.., b 1..")
 
 
 def test_declared_tokens_match_the_automatic_ones(tmp_path):

@@ -190,16 +190,10 @@ def _points():
 POINTS = _points()
 
 
-def _enter_rank(module: str) -> tuple[int, int]:
-    """Where a module's call starts in forward order: a module enters before its children (by POINTS)."""
-    first = min(i for i, pt in enumerate(POINTS) if pt[2] == module or pt[2].startswith(module + "."))
-    return first, module.count(".")
-
-
 def oracle(hf, vl, vl_tokens, hf_batches):
     """Where the runs first part, as bisect defines it by tokens: for each shared token the first point of POINTS,
-    in forward order, where its row differs; of those, the one whose module starts first in the forward pass (a
-    module before its children), then the earliest position. Returns that point and the tokens that part there
+    in forward order, where its row differs; of those, the one that runs first in the forward pass (an op is
+    never "earlier" for entering its module first), then the earliest position. Returns that point and the tokens that part there
     ((seq, position) pairs). Other tokens may part elsewhere first (a oneDNN fp32 matmul at some batch sizes on
     some CPUs): bisect lists those among its `origins`. hf_batches: per HF call, the (seq, position) of each
     [b, t] row (None: padding)."""
@@ -221,7 +215,7 @@ def oracle(hf, vl, vl_tokens, hf_batches):
                 first_at[tok] = point
     if not first_at:
         return None, []
-    point = min(first_at.values(), key=lambda pt: (_enter_rank(pt[2]), POINTS.index(pt)))
+    point = min(first_at.values(), key=POINTS.index)
     return point, sorted(tok for tok, pt in first_at.items() if pt == point)
 
 
@@ -345,17 +339,21 @@ def test_vllm_vs_hf_first_divergence_matches_hook_oracle(model_dir, tmp_path, dt
     # every sequence position the oracle saw differ there is one bisect counts among the differing tokens
     assert d["tokens"]["differing"] >= len(differ), (d["tokens"], len(differ))
 
-    # repro: vLLM's attention and oneDNN matmuls replay only inside the engine, so the repro is cut at vLLM's
-    # parting op (repro/narrow.py), and the script fails standalone, in a fresh interpreter without divtrace
+    # repro of the RoPE origin (`--at` its record; on CPUs where oneDNN's fp32 matmul parts first at decode sizes,
+    # that origin is `first`, and its kernel replays only inside the engine): vLLM's attention and oneDNN matmuls
+    # replay only inside the engine, so the repro is cut at vLLM's parting op (repro/narrow.py), and the script
+    # fails standalone, in a fresh interpreter without divtrace
+    rope = next(o for o in d["origins"] if o.get("op_b") == "_C.rotary_embedding.default")
     out = tmp_path / "repro"
     r = subprocess.run([sys.executable, "-m", "divtrace", "repro", str(train_dir), str(rollout_dir), "--map",
-                        "vllm-hf", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                        "vllm-hf", "--at", str(rope["index"]), "--out", str(out)], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0 and "PASSED" in r.stdout, r.stdout + r.stderr
     m = json.loads((out / "manifest.json").read_text())
     from divtrace.trace.reader import Trace
 
     ops_b = [Trace(rollout_dir).records[i].op for i in m["ops"]["b"]["records"]]
-    assert first["op_b"] in ops_b and not set(ops_b) & set(meta["engine"]["unreplayable_ops"]), ops_b
+    assert rope["op_b"] in ops_b and not set(ops_b) & set(meta["engine"]["unreplayable_ops"]), ops_b
     p = subprocess.run([sys.executable, "-I", str(out / "repro.py")], capture_output=True, text=True,
                        cwd=tmp_path, timeout=300)
     assert p.returncode == 1 and "FAILED: side_a and side_b differ" in p.stdout, p.stdout + p.stderr
@@ -425,9 +423,14 @@ def test_the_rope_fix_moves_the_first_divergence_to_attention(model_dir, tmp_pat
     recompute(model_dir, "float32", [p + r for p, r in zip(PROMPTS, responses)], train_dir)
     code, d, _ = bisect_json(train_dir, rollout_dir, "--map", "vllm-hf")
     assert code == 1 and d["alignment"] == "tokens", d.get("reason")
-    first = d["first"]
-    assert first["module"] == "model.layers.0.self_attn" and first["cause"] == "origin", first
-    assert first["op_b"] == "vllm.unified_attention_with_output.default", first
+    # the attention kernel is an origin (its inputs equal for the token); `first` is the origin whose op runs
+    # earliest (on some CPUs oneDNN's fp32 q/k/v matmul at decode sizes, before the attention)
+    attn = [o for o in d["origins"] if o["module"] == "model.layers.0.self_attn"]
+    assert attn and attn[0]["cause"] == "origin", d["origins"]
+    assert attn[0]["op_b"] == "vllm.unified_attention_with_output.default", attn[0]
+    assert d["first"] == {k: v for k, v in d["origins"][0].items() if k in d["first"]}
+    assert d["first"]["module"] in ("model.layers.0.self_attn", "model.layers.0.self_attn.q_proj",
+                                    "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"), d["first"]
     assert "_C.rotary_embedding.default" not in {o.get("op_b") for o in d["origins"]}, d["origins"]
     # hash traces: repro says how to re-record the engine side in full mode (from Python: an engine has no ENTRY)
     r = subprocess.run([sys.executable, "-m", "divtrace", "repro", str(train_dir), str(rollout_dir), "--map",

@@ -16,11 +16,11 @@ import divtrace
 VOCAB = 256
 
 
-def llama(dtype=torch.float32, layers: int = 2, seed: int = 0, attn: str = "sdpa"):
+def llama(dtype=torch.float32, layers: int = 2, seed: int = 0, attn: str = "sdpa", hidden: int = 128):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
                       attn_implementation=attn)
     model = LlamaForCausalLM(cfg)

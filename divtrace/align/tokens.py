@@ -43,8 +43,15 @@ class TraceTokens:
         self.trace = trace
         self.index = trace.token_index() if hasattr(trace, "token_index") else TokenIndex(trace)  # (read, checked)
         self.where: dict[int, tuple[int, int]] = {}
+        # token key -> (call id, cell) of its row among rec.final's declared values (the last one declared)
+        self.declared_final: dict[int, tuple[int, int]] = {}
         for cid in sorted(self.index.grids):
             g = self.index.grids[cid]
+            if g.final is not None:
+                for cell, k in enumerate(g.keys):
+                    if k:
+                        self.declared_final[k] = (cid, cell)
+                continue
             for cell, k in enumerate(g.keys):
                 if k and k not in self.where:
                     self.where[k] = (cid, cell)
@@ -106,8 +113,41 @@ class TraceTokens:
         dtype, shape, _ = self.trace.vkey[vid]
         return (dtype, layout.row_len(shape, code), int(self.index.bin[off + r]))
 
-    def rows_at(self, vid: int, root_cid: int, cells: np.ndarray):
-        """(dtype, row shape, fingerprints at `cells`, valid mask) of a value with rows, or None."""
+    def final_row_key(self, vid: int, key: int):
+        """The key of `vid`'s row for token `key` among rec.final's declared values (an engine's logits rows,
+        computed on the last row of each sequence, have token rows only there), or None."""
+        got = self.declared_final.get(key)
+        if got is None:
+            return None
+        e = self.index.index.get(vid)
+        if e is None or e[0] != got[0]:
+            return None
+        return self.row_key(vid, got[0], got[1])
+
+    @property
+    def branching(self) -> set:
+        """Keys of tokens followed by more than one token id in this trace (a GRPO group's prompt, sampled several
+        times): a row keyed by the token that predicts (a per-token logprob, "prevK") holds one value per
+        continuation there, so `where[key]`'s row is one continuation's of several."""
+        got = getattr(self, "_branching", None)
+        if got is None:
+            at: dict = {}
+            for g in self.index.grids.values():
+                if g.final is None:
+                    for k, sq, p in zip(g.keys, g.seq, g.pos):
+                        if k and sq >= 0:
+                            at[(sq, p)] = k
+            after: dict = {}
+            for (sq, p), k in at.items():
+                prev = at.get((sq, p - 1))
+                if prev is not None:
+                    after.setdefault(prev, set()).add(k)
+            got = self._branching = {k for k, nxt in after.items() if len(nxt) > 1}
+        return got
+
+    def rows_at(self, vid: int, root_cid: int, cells: np.ndarray, skip=None):
+        """(dtype, row shape, fingerprints at `cells`, valid mask) of a value with rows, or None. `skip`: a mask of
+        cells whose rows keyed by the predicting token ("prevK") are not compared (their token branches)."""
         import numpy as np
 
         e = self.index.index.get(vid)
@@ -115,10 +155,14 @@ class TraceTokens:
             return None
         code, off = e[1], e[2]
         g = self.index.grids[root_cid]
-        if code.startswith("last"):
+        if code == "1t":
+            idx, valid = cells % g.shape[1], np.ones(len(cells), dtype=bool)
+        elif code.startswith("last") or code.startswith("prev"):
             rows = [layout.cell_row(code, g.shape, int(c)) for c in cells]
             valid = np.array([r is not None for r in rows], dtype=bool)
             idx = np.array([r if r is not None else 0 for r in rows], dtype=np.int64)
+            if skip is not None and code.startswith("prev"):
+                valid &= ~skip
         else:
             idx, valid = cells, np.ones(len(cells), dtype=bool)
         dtype, shape, _ = self.trace.vkey[vid]
@@ -130,12 +174,16 @@ class _RowKeys(Mapping):
 
     def __init__(self, tokens: TraceTokens, root_cid: int, cell: int):
         self._t, self._root, self._cell, self._whole = tokens, root_cid, cell, tokens.trace.vkey
+        self._key = tokens.index.grids[root_cid].keys[cell]
+        self._finals = bool(tokens.declared_final)
         self._memo: dict = {}
 
     def __getitem__(self, vid):
         k = self._memo.get(vid)
         if k is None:
             k = self._t.row_key(vid, self._root, self._cell)
+            if k is None and self._finals:
+                k = self._t.final_row_key(vid, self._key)
             if k is None:
                 k = self._whole[vid]
             self._memo[vid] = k

@@ -79,19 +79,29 @@ def replay(d, out, mode: str = "full") -> int:
     model = _model(d, m, m["rollout_weights"] or "weights.safetensors")
     model.train(m["trainer_training"])
     cfg = GenerationConfig.from_dict(m["generation_config"])
-    with torch.no_grad(), divtrace.record(model, out / "rollout", mode=mode, label="rollout", overwrite=True):
+    head = model.get_output_embeddings().weight.dtype
+    same = True
+    with torch.no_grad(), divtrace.record(model, out / "rollout", mode=mode, label="rollout", overwrite=True) as rec:
         got = model.generate(input_ids=roll["input_ids"], attention_mask=roll["attention_mask"], generation_config=cfg,
                              logits_processor=LogitsProcessorList([Forced()]))
-    same = torch.equal(got.sequences, roll["sequences"])
-    head = model.get_output_embeddings().weight.dtype
-    for key, want in sorted(expected.items()):
-        if not key.startswith("rollout."):
-            continue
-        b = int(key.split(".")[1])
-        n = want.numel()
-        lps = torch.stack([trl_logprobs(got.logits[t][b:b + 1], forced[b, t:t + 1], temperature=m["temperature"],
-                                        compute_dtype=head, config=model.config)[0] for t in range(n)])
-        same = same and torch.equal(lps.view(torch.int32), want.view(torch.int32))
+        same = torch.equal(got.sequences, roll["sequences"])
+        per_step: dict = {}  # generate step -> [(batch row, logprob)]: the rollout's logprobs, TRL's fold
+        for key, want in sorted(expected.items()):
+            if not key.startswith("rollout."):
+                continue
+            b = int(key.split(".")[1])
+            n = want.numel()
+            lps = torch.stack([trl_logprobs(got.logits[t][b:b + 1], forced[b, t:t + 1], temperature=m["temperature"],
+                                            compute_dtype=head, config=model.config)[0] for t in range(n)])
+            same = same and torch.equal(lps.view(torch.int32), want.view(torch.int32))
+            for t in range(n):
+                per_step.setdefault(t, []).append((b, lps[t]))
+        # ... declared as the rollout's final values (what the ledger holds), each of the token that predicts it: the
+        # last cell of its sequence in that step's call; bisect compares them to the trainer's
+        for t, got_t in sorted(per_step.items()):
+            cells = rec.last_rows(call=t)
+            rec.final(torch.stack([v for _, v in got_t]), rows=[cells[b] for b, _ in got_t], kind="logprobs",
+                      targets=[int(forced[b, t]) for b, _ in got_t], call=t)
     print(("PASSED" if same else "FAILED") + f": rollout replay of step {m['step']}: the sampled sequences and the "
           f"ledger's rollout logprobs {'reproduced bitwise' if same else 'NOT reproduced'}")
     ok = ok and same

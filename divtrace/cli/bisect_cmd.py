@@ -7,21 +7,7 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from divtrace.cli.output import Output
-
-
-def _ops_text(x: dict) -> str:
-    """Each side's parting op, or the one both ran ("a: aten.mul.Tensor / b: _C.rotary_embedding.default")."""
-    a, b = x.get("op"), x.get("op_b")
-    if a and b and a != b:
-        return f"a: {a} / b: {b}"
-    return a or b or "-"
-
-
-def _token_text(t: dict) -> str:
-    seq = t["seq"]
-    return (f"position {t['position']} (id {t['id']}) of sequence {seq['id']} (first ids "
-            f"{', '.join(map(str, seq['first_ids']))}): a root call {t['a']['call']} row {t['a']['row']}, "
-            f"b root call {t['b']['call']} row {t['b']['row']}")
+from divtrace.cli.token_render import origin_words, render_token_parts, token_verdict_line
 
 
 def _shipped_maps() -> list[str]:
@@ -32,53 +18,12 @@ MAP_HELP = ("YAML file of regex renames of module paths, or the name of a map sh
             + ", ".join(_shipped_maps()) + " (docs/vllm.md)")
 
 
-def render_token_parts(o: Output, d: dict) -> None:
-    """The parts of a token-aligned result that a call-aligned one has not: tokens, rows, origins, final per token."""
-    tk = d["tokens"]
-    o.line(f"tokens: {tk['shared']} shared, {tk['only_a']} only in a, {tk['only_b']} only in b, {tk['differing']} "
-           f"differ; final logits compared for {tk['final_compared']} ({tk['final_differing']} differ)")
-    f = d["first"]
-    if f is not None:
-        rows = [["token", _token_text(f["token"])],
-                ["op rows", f"a: {f['rows']['a']}   b: {f['rows']['b']}"]]
-        if f.get("batch_invariance"):
-            rows.append(["cause", "not batch-invariant: " + f["batch_invariance"]["note"]])
-        o.table("first diverging token", ["field", "value"], rows)
-    if len(d["origins"]) > 1:
-        o.table("independent origins (inputs equal for the token, output differs), in forward order",
-                ["module", "call", "op", "cause", "tokens"],
-                [[x["module"] or "<root>", x["call"], _ops_text(x), x["cause"], x["tokens"]] for x in d["origins"]])
-    fin = d.get("final")
-    if fin:
-        rows = [["tokens compared / differing", f"{fin['tokens_compared']} / {fin['tokens_differing']}"]]
-        if fin.get("first_differing_token"):
-            rows.append(["first differing token", _token_text(fin["first_differing_token"])])
-        for k, label in (("max_abs_logprob_diff", "max |dlogprob| (next token)"),
-                         ("mean_abs_logprob_diff", "mean |dlogprob|"),
-                         ("kl", f"KL({fin.get('kl_direction', 'a||b')}) mean per token"),
-                         ("kl_reverse", "KL reverse, mean per token"),
-                         ("kl_k3", "k3 KL estimate (mean of e^r - 1 - r)"),
-                         ("token_mult_prob_error", "token_mult_prob_error (mean of e^|r|)")):
-            if fin.get(k) is not None:
-                rows.append([label, fin[k]])
-        o.table("final mismatch per shared token (root output logits; r = logp_train - logp_infer of the next "
-                "token; docs/numbers.md)", ["metric", "value"], rows)
-        if fin.get("caveat"):
-            o.line(f"caveat: {fin['caveat']}")
-
-
 def render_bisect(o: Output, r) -> None:
     d = r.to_dict()
     la, lb = r.labels
     tokens = d.get("alignment") == "tokens"
-    if tokens and r.verdict == "identical":
-        tk = d["tokens"]
-        o.passed(f"identical: {tk['shared']} shared tokens, every compared row bitwise equal ({r.compared} row pairs; "
-                 f"final logits of {tk['final_compared']} tokens) [{la} vs {lb}]")
-    elif tokens and r.verdict == "inconclusive":
-        tk = d["tokens"]
-        o.inconclusive(f"{r.reason} [{la} vs {lb}: {tk['shared']} shared tokens, {tk['differing']} differ; "
-                       f"{tk['only_a']} tokens only in a, {tk['only_b']} only in b]")
+    if tokens:
+        token_verdict_line(o, r, d)
     elif r.verdict == "identical":
         o.passed(f"identical: {r.compared} tensor pairs compared, every one bitwise equal (dtype, shape and bytes) "
                  f"[{la} vs {lb}]")
@@ -91,12 +36,7 @@ def render_bisect(o: Output, r) -> None:
                 else "nothing compared")
         o.inconclusive(f"{r.reason} [{la} vs {lb}: {seen}; {c.only_a} calls only in a, {c.only_b} only in b]")
     else:
-        f = r.first
-        where = f.module or "<root>"
-        ops = f" op {f.op}" + (f" (a) / {f.op_b} (b)" if f.op_b and f.op_b != f.op else "") if f.op or f.op_b else ""
-        tok = d["first"].get("token") if tokens else None
-        at = f" at token position {tok['position']} of sequence {tok['seq']['id']}" if tok else ""
-        o.failed(f"diverged: first divergence originates in {where} call {f.call}{ops}{at} [cause: {f.cause}]")
+        o.failed(f"diverged: first divergence originates in {origin_words(r.first)} [cause: {r.first.cause}]")
         if not all(r.complete):
             o.line(f"note: {r.reason}")
     for w in r.warnings:
@@ -182,11 +122,14 @@ def bisect(
     Comparison is bitwise (dtype, shape and raw bytes; -0.0 != 0.0, NaNs by their bits) unless --atol,
     --rtol or --ulp is given. Exit 0 identical (both traces complete, final outputs compared and equal),
     1 diverged, 2 bad input, 3 inconclusive (a trace stopped early or holds computation divtrace did not see,
-    and nothing diverged before: the INCONCLUSIVE line says why and what to do).
+    and nothing diverged before: the INCONCLUSIVE line says why and what to do), 4 absorbed (token alignment:
+    every final value bitwise equal, internal differences that never reach them; no origin).
 
     Traces that carry token identity (HF-style calls, or rec.tokens declarations) are aligned token by token
-    when their calls differ: each shared token's rows are compared in every module and op, and the report names
-    the first diverging token, the rows each side's op ran over, and the batch-size cause where it applies.
+    when their calls differ. The final values (logits rows, logprobs) are always compared and lead the report
+    (`FAILED: logprobs differ on K of N tokens; first divergence originates in ...`); an origin is only a
+    difference that reaches a differing final value. The report names the first diverging token, the rows each
+    side's op ran over, the batch-size cause where it applies, and every independent origin.
 
     \b
     Examples:

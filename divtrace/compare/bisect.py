@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from divtrace.align.calls import Pairing
+from divtrace.align.calls import Pairing, folded_pairing
 from divtrace.align.paths import PathMap
 from divtrace.compare.diffs import Tolerance
 from divtrace.compare.final_outputs import final_outputs, final_summary
@@ -138,7 +138,11 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
             f"({ta.meta.get('model_class')}, {len(ta.calls)} calls vs {tb.meta.get('model_class')}, {len(tb.calls)} "
             "calls); if the two stacks name modules differently, pass --map FILE")
     cmp = ValueComparator(ta, tb, tol)
-    walker = OriginWalker(ta, tb, pairing, cmp)
+    # A call with no partner (a module one side has and the other writes inline, an engine's extra submodule)
+    # is folded into its parent: its ops count as the parent's own code on both sides, where the walk by value
+    # meets them.
+    fa, fb, _ = folded_pairing(ta, tb, pairing)
+    walker = OriginWalker(fa, fb, pairing, cmp)
     warnings = [f"trace {t.path} is incomplete (status: {getattr(t, 'status', t.meta.get('status'))}"
                 + (f", {t.meta['error']}" if t.meta.get("error") else "") + "): only what ran before it stopped is compared"
                 for t in (ta, tb) if not t.complete]
@@ -153,7 +157,7 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
     aligned = [(ca, cb) for ca in sorted(ta.calls.values(), key=lambda c: c.enter_index)
                if (cb := pairing.partner(ca)) is not None]
     first = None
-    for ra, rb in _top_pairs(ta, pairing):
+    for ra, rb in _top_pairs(fa, pairing):
         if walker.differs(ra, rb):
             first = walker.localize(ra, rb)
             break
@@ -173,6 +177,8 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
             continue
         m = walker.out_mismatch(ca, cb)
         cause = "propagated" if walker.in_mismatch(ca, cb) is not None else "origin"
+        if cause == "origin" and first is not None and ca.enter_index < first.index < (ca.exit_index or 0):
+            cause = "contains"  # an ancestor of the origin: its output differs because of what runs inside it
         d = walker.divergence(ca, cb, m[1], m[2], m[0], cause)
         nxt.append(d)
     if first is None and cmp.bitwise_differs and cmp.tol is None:

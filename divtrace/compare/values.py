@@ -199,7 +199,9 @@ class ValueComparator:
         (a mask one implementation builds and the other does not) is not compared."""
         db = dict(items_b)
         common = [(k, va, db[k]) for k, va in items_a if k in db]
-        if common or not items_a or not items_b:
+        if common or not items_a or not items_b or len(items_a) != len(items_b):
+            # (as many on each side, or nothing: an engine's (input_ids, positions) against HF's input_ids,
+            # attention_mask and position_ids would pair positions with a mask the engine never passed)
             return common
         return [(ka, va, vb) for (ka, va), (_, vb) in zip(items_a, items_b)]
 

@@ -9,8 +9,12 @@ for its verdict, so "identical" means the same thing everywhere:
   tolerance the user gave.
 - **diverged** (exit 1): an origin was found. The divergence is real even when a trace stopped early (what
   was recorded ran); the reason then says which trace is incomplete.
-- **inconclusive** (exit 3): anything else. The reason names the trace, its status, how far it got, and what
-  to do next.
+- **absorbed** (exit 4): as identical, except that some internal values differ: every compared final output
+  is bitwise equal, and the differences inside never reach one (an fp32 mean whose last bit the bf16 rounding
+  after it absorbs). Neither identical nor diverged; the absorbed differences are listed.
+- **inconclusive** (exit 3): anything else, and it wins over absorbed. The reason names the trace, its status,
+  how far it got, and what to do next; or the coverage gap (tokens only one side fed, calls left unpaired) that
+  makes "identical" impossible.
 
 The function is pure (no torch, no trace reading): callers say what they saw. `progress` turns a trace that
 stopped early into words, from duck-typed traces (`.calls` of `ModuleCall`s, `.path`).
@@ -22,7 +26,8 @@ from dataclasses import dataclass, field
 from divtrace.errors import DivtraceError
 
 IDENTICAL, WITHIN_TOLERANCE, DIVERGED, INCONCLUSIVE = "identical", "within_tolerance", "diverged", "inconclusive"
-EXIT_CODES = {IDENTICAL: 0, WITHIN_TOLERANCE: 0, DIVERGED: 1, INCONCLUSIVE: 3}
+ABSORBED = "absorbed"
+EXIT_CODES = {IDENTICAL: 0, WITHIN_TOLERANCE: 0, DIVERGED: 1, INCONCLUSIVE: 3, ABSORBED: 4}
 
 
 class Inconclusive(DivtraceError):
@@ -57,12 +62,13 @@ class Coverage:
     complete: dict = field(default_factory=dict)  # {"a": bool, "b": bool}
     unseen: dict = field(default_factory=dict)  # {"a": [...], "b": [...]}
     unit: str = "calls"  # what calls_compared / only_a / only_b count: "calls" or "tokens"
+    gaps: list = field(default_factory=list)  # what was not compared and should have been (the "coverage" reason)
 
     def to_dict(self) -> dict:
         return {"calls_compared": self.calls_compared, "only_a": self.only_a, "only_b": self.only_b,
                 "final_compared": self.final_compared, "final_equal": self.final_equal,
                 "final_note": self.final_note, "complete": dict(self.complete), "unseen": dict(self.unseen),
-                "unit": self.unit}
+                "unit": self.unit, "gaps": list(self.gaps)}
 
 
 @dataclass
@@ -140,7 +146,8 @@ def _incomplete(t: TraceSeen) -> str:
 
 def decide(*, origin_found: bool, within_tolerance: bool, final_compared: bool, final_equal: bool | None,
            a: TraceSeen, b: TraceSeen, calls_compared: int, only_a: int = 0, only_b: int = 0,
-           final_note: str | None = None, unit: str = "calls") -> Verdict:
+           final_note: str | None = None, unit: str = "calls", absorbed: int = 0,
+           gaps: list | None = None) -> Verdict:
     """The verdict of a comparison, from what it saw.
 
     origin_found: a divergence was localized (an origin, or the earliest differing call). Diverged, whatever
@@ -152,10 +159,13 @@ def decide(*, origin_found: bool, within_tolerance: bool, final_compared: bool, 
         tolerance given). final_note says why they were not compared, in words.
     a, b: each trace's path, completeness, status, progress and `unseen` list.
     calls_compared, only_a, only_b: the coverage counts (of `unit`: "calls" or "tokens").
+    absorbed: internal differences that reach no compared final output (then, at best, absorbed: exit 4).
+    gaps: coverage gaps in words (tokens one side fed and the other did not; calls left unpaired): inconclusive,
+        reason "coverage: ...", unless an origin was found.
     """
     cov = Coverage(calls_compared, only_a, only_b, final_compared, final_equal if final_compared else None,
                    None if final_compared else final_note, {"a": a.complete, "b": b.complete},
-                   {"a": list(a.unseen), "b": list(b.unseen)}, unit)
+                   {"a": list(a.unseen), "b": list(b.unseen)}, unit, list(gaps or []))
     incomplete = [t for t in (a, b) if not t.complete]
     if origin_found:
         reason = "the runs diverge (`first` says where, and whether its inputs were still equal)"
@@ -172,6 +182,9 @@ def decide(*, origin_found: bool, within_tolerance: bool, final_compared: bool, 
             why.append(f"trace {t.path} ran computation divtrace did not see ({'; '.join(t.unseen)}): what was "
                        "compared may not be what ran; record it eagerly (no torch.compile regions without taps, no "
                        "CUDA-graph replays) to compare every step")
+    if gaps:
+        why.append("coverage: " + "; ".join(gaps) + ": the runs did not do the same work, so they cannot be called "
+                   "identical (compare runs of the same prompts, or find what one side left out)")
     if not incomplete and not final_compared:
         why.append(f"the final outputs were not compared ({final_note or 'no final output pair'}); make both runs "
                    "make the same calls (or pass --map FILE where the stacks name modules differently)")
@@ -179,6 +192,10 @@ def decide(*, origin_found: bool, within_tolerance: bool, final_compared: bool, 
         why.append("the final outputs differ but no divergence was localized (please report this)")
     if why:
         return Verdict(INCONCLUSIVE, "; ".join(why), cov, EXIT_CODES[INCONCLUSIVE])
+    if absorbed:
+        return Verdict(ABSORBED, f"both traces complete and fully seen; the final outputs were compared and are "
+                       f"bitwise equal, but {absorbed} internal difference(s) never reach them (absorbed: listed in "
+                       "`absorbed`)", cov, EXIT_CODES[ABSORBED])
     if within_tolerance:
         return Verdict(WITHIN_TOLERANCE, "both traces complete; every difference passes the tolerance, the final "
                        "outputs included", cov, EXIT_CODES[WITHIN_TOLERANCE])

@@ -148,13 +148,14 @@ class OriginWalker:
         end = call.exit_index if call.exit_index is not None else len(t.rcall) - 1
         vids = {v for _, v in call.inputs}
         rcall, rin, rout, calls = t.rcall, t.rin, t.rout, t.calls
+        whole = getattr(t, "trace", None) or getattr(t, "_trace", t)  # calls folded away are the trace's still
         for i in range(call.enter_index, end + 1):
             ins = rin[i]
             if ins is not None:  # an op
                 vids.update(ins)
                 vids.update(rout[i])
             else:  # a module call's enter or exit
-                c = calls[rcall[i]]
+                c = calls.get(rcall[i]) or whole.calls[rcall[i]]
                 vids.update(v for _, v in (c.inputs if c.enter_index == i else c.outputs))
         return {t.vkey[v] for v in vids}
 
@@ -226,8 +227,8 @@ class OriginWalker:
         root_a = functools.cache(lambda: self._span_hashes(self.a, self._root_of(self.a, ca)))
         d.outside_input = (self._outside_input(self.a, ca, reg_a, root_b, "a", "b")
                            or self._outside_input(self.b, cb, reg_b, root_a, "b", "a"))
-        part_a = self._parting(self.a, reg_a, ca.ops)
-        part_b = self._parting(self.b, reg_b, cb.ops)
+        part_a = self._parting(self.a, reg_a, ca, va)
+        part_b = self._parting(self.b, reg_b, cb, vb)
         if part_a is None and part_b is None:
             return d
         d.kind = "op"
@@ -245,22 +246,37 @@ class OriginWalker:
 
     @staticmethod
     def _outside_input(t: Trace, call: ModuleCall, region: list[int], other_span, side: str, other: str):
-        """The first input of `region` that no recorded op made and that is not among the other side's values
-        (of its root call's span), said in words; None when there is none."""
+        """The first input of `region` that no recorded op made and that differs from the other side's values (of
+        its root call's span), said in words; None when there is none. "Differs" needs a counterpart: a value of
+        the same dtype and shape on the other side that is not bitwise equal. A value the other side holds in no
+        such form (vLLM's cos/sin cache, HF's cos and sin made per call) is not compared, so nothing is claimed,
+        and an empty tensor (a fresh KV cache) holds nothing to differ."""
         call_inputs = {v for _, v in call.inputs}
         for i in region:
             for pos, vid in enumerate(t.rin[i]):
-                if vid not in t.vprod and vid not in call_inputs and t.vkey[vid] not in other_span():
+                if vid in t.vprod or vid in call_inputs:
+                    continue
+                key = t.vkey[vid]
+                if len(key) < 3 or 0 in tuple(key[1]) or key in other_span():
+                    continue
+                if any(k[0] == key[0] and tuple(k[1]) == tuple(key[1]) for k in other_span() if len(k) >= 3):
                     return (f"input {pos} of {t.rop[i]} (record {i}, side {side}) was made by no recorded op (a "
                             "parameter or buffer, or bytes written by a kernel torch does not see) and differs: "
-                            f"side {other} holds no equal value")
+                            f"side {other} holds values of its dtype and shape, none bitwise equal to it")
         return None
 
     @staticmethod
-    def _parting(t: Trace, region: list[int], own: list[int]) -> int | None:
+    def _parting(t: Trace, region: list[int], call, value) -> int | None:
+        own = call.ops
         memo: dict = {}
         scope = set(own)
         data = [i for i in region if not constant_derived(t, i, memo, scope)]
+        if not region and own and value not in t.vprod and any(v == value for _, v in call.outputs):
+            # The differing output was made by no op of the call (an engine adapter's derived output, such as vLLM's
+            # q block of its fused qkv_proj): the call's own computing op that ran last made what it derives from.
+            # (A differing child input no op made, a model input passed on, stays the input.)
+            last = [i for i in own if computing(t.rop[i], t.rin[i], t.rout[i], t)]
+            return last[-1] if last else None
         return next((i for i in data if computing(t.rop[i], t.rin[i], t.rout[i], t)), (data or region or [None])[0])
 
     def divergence(self, ca, cb, va, vb, what, cause) -> Divergence:

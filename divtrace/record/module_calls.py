@@ -32,6 +32,7 @@ from divtrace.record.settings import note_grad_mode
 from divtrace.record.values import flatten_tensors
 from divtrace.trace.records import ModuleEnter, ModuleExit
 
+_POSITION_KEYS = ("kwargs.position_ids", "kwargs.positions")  # the positions a model uses, as its submodules get them
 # -1 outside backward. Module calls inside backward are activation checkpointing's recompute: recorded, they
 # would shift the call numbers of every later forward against a run without checkpointing.
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -221,6 +222,9 @@ class ModuleCalls:
                     if pl is not None:
                         pl.after_value(t, vid)
                     pairs.append((key, vid))
+                    if key in _POSITION_KEYS and tokens.grid is not None and not tokens.positions_seen \
+                            and module is not self.root:
+                        tokens.observe_positions(t)
         finally:
             tokens.boundary_path = None
         rec = ModuleEnter(self.take_index(), call_id, path, call, self._recorded_parent(), pairs)
@@ -270,12 +274,51 @@ class ModuleCalls:
                     vid = self._vid_of(t, values, boundary=True, root_output=root)
                     if pl is not None:
                         pl.after_value(t, vid)
-                    if root and vid not in tokens.rowed:  # made by an op before it was known to be the output
+                    if root and (vid not in tokens.rowed or vid in tokens.unrowed):
+                        # made by an op before it was known to be the output (the logits of generate's prefill,
+                        # [B, 1, V], fit no layout inside lm_head and the last-cells layout at the root's exit)
                         tokens.rows(vid, t, root_output=True)
                     pairs.append((key, vid))
         finally:
             tokens.boundary_path = None
         self.writer.append(ModuleExit(self.take_index(), frame.call_id, pairs), values)
+
+    def pseudo_call(self, path: str, grid_for, t: torch.Tensor, key: str) -> None:
+        """A call of no module, recorded after the model's root calls: `t` as its one output under `key`, with
+        the token grid `grid_for(call id, call number)` (rec.final's declared final values)."""
+        if self.writer is None or self.writer.failed:
+            return
+        with _BUSY:
+            call = self.counts.get(path, 0)
+            call_id = self.next_call_id
+            tokens = self._tokens
+            grid = grid_for(call_id, call) if tokens.on else None
+            if call == 0:  # meta.json's module tree names every module path the records call
+                self.writer.meta.setdefault("module_tree", []).append([path, "declared final values"])
+            self.counts[path] = call + 1
+            self.next_call_id += 1
+            self.writer.append(ModuleEnter(self.take_index(), call_id, path, call, None, []), [])
+            if grid is not None:
+                tokens.grid = grid
+                tokens.store.add_grid(grid)
+            try:
+                values: list = []
+                t = self._plain(t, path)
+                pairs = []
+                if t is not None:
+                    vid = self._vid_of(t, values, boundary=True)
+                    # a value met before (the model's output) gets rows for this grid, unless it has some already
+                    # (an engine's decode step, whose output rows are its tokens: bisect reads those)
+                    if grid is not None and vid not in tokens.rowed and vid not in tokens.store.rowed:
+                        tokens.rows(vid, t)
+                    pairs.append((key, vid))
+                self.writer.append(ModuleExit(self.take_index(), call_id, pairs), values)
+            finally:
+                if grid is not None:
+                    tokens.grid = None
+                    tokens.rowed.clear()
+                    tokens.unrowed.clear()
+                    tokens.store.end_call()
 
     def _pop(self) -> _Frame:
         frame = self.stack.pop()

@@ -96,7 +96,12 @@ class OpRecorder:
         if info is None:
             info = _op_info(func)
         stack = self._stack
-        if (_STATE.busy or not stack or stack[-1].call_id is None or self.writer.failed
+        owner = stack[-1].call_id if stack else None
+        if owner is None and stack:
+            # Inside an excluded call (exclude=): its ops are its nearest recorded ancestor's own code, as the docs
+            # say; outside every recorded call (include= elsewhere) there is none, and nothing is recorded.
+            owner = next((f.call_id for f in reversed(stack) if f.call_id is not None), None)
+        if (_STATE.busy or owner is None or self.writer.failed
                 or (len(_ACTIVE) > 1 and not self._owns_innermost())):
             out = func(*args, **kwargs)
             if info[3] and not _STATE.busy:
@@ -162,7 +167,7 @@ class OpRecorder:
                 pl.bind_outputs(plain_out, out_vids)
             vid_by_id = {id(t): v for t, v in zip(outs, out_vids)}
             enc_out = self._encode_out(got, vid_by_id) if writes is None else {"$writes": writes}
-            rec = OpRecord(index, self._stack[-1].call_id, name, enc_args, enc_kwargs, vids, out_vids, enc_out)
+            rec = OpRecord(index, owner, name, enc_args, enc_kwargs, vids, out_vids, enc_out)
             self.writer.append(rec, values)
         return out
 

@@ -232,7 +232,10 @@ class Placements:
         if any(p[0] == "S" for p in lay.placements):
             try:
                 partial = tensor_partial(_readable(t), lay.gshape, lay.offsets)
-                if partial.device.type == "cpu":  # (else read to the host with the layouts' next flush)
+                dev = self.out.device
+                if dev is not None and dev.takes(t):  # the device path: to the host with its batches
+                    partial = dev.batches.add(partial.reshape(-1))
+                elif partial.device.type == "cpu":  # (else read to the host with the layouts' next flush)
                     partial = to_hex(partial)
             except Exception as e:  # a shape the layout does not fit: no layout rather than a wrong one
                 self._warn(f"a shard layout did not fit its tensor ({type(e).__name__}: {e}); recorded as the rank's own")

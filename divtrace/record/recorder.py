@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from divtrace.errors import DivtraceError
+from divtrace.record.device import attach, wants_device_path
 from divtrace.record.lifecycle import ACTIVE, ACTIVE_MODELS, STATE, SignalHandlers, closing_status
 from divtrace.record.module_calls import ModuleCalls, compile_filters
 from divtrace.record.op_records import OpRecorder
@@ -107,10 +108,12 @@ class Recorder:
                                   + ((LAYOUTS,) if self.rank is not None else ()))
         self.calls.writer = self.values.writer = self.op_records.writer = self.writer
         self.token_rows.open(self.writer)
-        if self.rank is not None:
-            from divtrace.record.ranks import attach
+        if wants_device_path(device):  # fingerprints on the device, nothing waits for it (divtrace.record.device)
+            attach(self.writer, self.token_rows)
+        if self.rank is not None:  # (after the device path: a rank's layouts go out through it too)
+            from divtrace.record.ranks import attach as attach_rank
 
-            self.placements = attach(self, self.rank)
+            self.placements = attach_rank(self, self.rank)
         ACTIVE_MODELS.add(id(self.model))
         ACTIVE.append(self)
         if self._regions:
@@ -140,6 +143,35 @@ class Recorder:
                 model(input_ids, positions)
         """
         self.token_rows.declare(ids, positions, seqs)
+
+    def final(self, values, rows=None, kind=None, targets=None, call=None) -> None:
+        """Declare the final values of the last model call: the logits rows (or per-token logprobs) that an
+        engine or a fused head computes for some of its token rows only, so that bisect compares them per token.
+        `values` holds one row per entry of `rows`, the cells (row-major indices into the last root call's token
+        rows, in the order rec.tokens declared them) the values belong to; `rows=None` means every cell in order,
+        `rows="last"` the last cell of each sequence, in the order the sequences first appear (a generate step's).
+        `kind` is "logits" ([R, V]: the row predicts the token after the cell) or "logprobs" ([R]: the logprob of
+        the token after the cell; `targets` may give those ids); by default logits for 2-D values, else logprobs.
+        `call`: the number of the root call whose token rows `rows` index (default: the last one), for values
+        computed after several calls (generate's steps).
+
+        Example (an engine that computes logits for the last row of each sequence)::
+
+            with divtrace.record(engine, "runs/rollout", mode="hash") as rec:
+                rec.tokens(ids, positions, seqs=request_ids)
+                logits = engine(input_ids, positions)           # [num_seqs, vocab]
+                rec.final(logits, rows=last_row_of_each_sequence)
+        """
+        self.token_rows.final(self.calls, values, rows, kind, targets, call)
+
+    def last_rows(self, call=None) -> list[int]:
+        """The cells (rows for rec.final) of the last token of each sequence in the last root call (or root call
+        number `call`), in the order the sequences first appear: a generate step's predicting rows. Example::
+
+            cells = rec.last_rows(call=step)
+            rec.final(step_logprobs[alive], rows=[cells[b] for b in alive], kind="logprobs", call=step)
+        """
+        return self.token_rows.last_rows(call)
 
     def __exit__(self, exc_type, exc, tb):
         try:

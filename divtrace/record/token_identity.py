@@ -41,6 +41,7 @@ class TokenGrid:
     kv_len: int  # key/value positions the call attends over (cache + this call's), for spotting cross-token tensors
     source: str  # "hf" or "declared"
     new_seqs: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq number, its first ids) started here
+    next_ids: list[int] | None = None  # rec.final's logprobs: the id each value is the logprob of (the next token)
 
 
 class _Seq:

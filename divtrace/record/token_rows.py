@@ -13,10 +13,22 @@ from __future__ import annotations
 
 import torch
 
+from divtrace.errors import DivtraceError
 from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes, strided_row_fingerprints
 from divtrace.record.token_identity import TokenTracker
 from divtrace.record.token_store import TokenStoreWriter
 from divtrace.trace import token_layout
+
+FINAL = "<final>"  # the module path of rec.final's calls: no module of a model is named so
+
+
+def _int_list(x, where: str, what: str) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        x = x.reshape(-1).tolist()
+    try:
+        return [int(v) for v in x]
+    except (TypeError, ValueError):
+        raise DivtraceError(f"{where}: {what} must be a list or 1-D tensor of ints, got {type(x).__name__}") from None
 
 
 class TokenRows:
@@ -32,7 +44,12 @@ class TokenRows:
         self.tracker = TokenTracker()
         self.grid = None  # the token grid of the root call in progress (divtrace.record.token_identity.TokenGrid)
         self.store: TokenStoreWriter | None = None
+        self.device = None  # the trace writer's device path, where values are fingerprinted on their device
         self.rowed: set[int] = set()  # vids whose token rows were looked at (the current root call's)
+        self.unrowed: set[int] = set()  # of those, the ones no layout fitted (a root output may fit one: lastK)
+        self.last_grid = None  # the grid of the last root call that ended (what rec.final's rows refer to)
+        self.grids_by_call: dict = {}  # root call number -> its grid (rec.final(..., call=n))
+        self.positions_seen = False  # the positions the current root call's model uses were read
         self._layout_grid = None  # the grid _layouts holds the inferred layouts of: (shape, root output) -> code
         self._layouts: dict = {}
         self.shard_rows = None  # a rank of a sharded run: rows of a value's block as partials (record/placements.py)
@@ -48,12 +65,17 @@ class TokenRows:
     def begin_root_call(self, call_id: int, call: int, args, kwargs, where: str) -> None:
         """Give the root call about to be recorded its token grid (None where it has no token rows)."""
         self.grid = self.tracker.on_root_call(call_id, call, args, kwargs, where)
+        self.positions_seen = False
         if self.grid is not None:
             self.store.add_grid(self.grid)
 
     def end_root_call(self) -> None:
+        self.last_grid = self.grid
+        if self.grid is not None:
+            self.grids_by_call[self.grid.root_call] = self.grid
         self.grid = None
         self.rowed.clear()
+        self.unrowed.clear()
         self.store.end_call()  # (written with the records: a failed write stops the recording, trace/writer.py)
 
     def rows(self, vid: int, t: torch.Tensor, root_output: bool = False, alias=None) -> None:
@@ -65,16 +87,20 @@ class TokenRows:
         if g is not self._layout_grid:  # the layout of a shape is the same all through one grid's call
             self._layout_grid, self._layouts = g, {}
         shape = t.shape
-        code = self._layouts.get((shape, root_output), False)
+        floating = t.is_floating_point()
+        code = self._layouts.get((shape, root_output, floating), False)
         if code is False:
-            code = self._layouts[(shape, root_output)] = token_layout.infer(shape, g.shape, g.kv_len, root_output)
+            code = self._layouts[(shape, root_output, floating)] = token_layout.infer(
+                shape, g.shape, g.kv_len, root_output, floating)
         if self.layouts_override:
             path = self.boundary_path
             if path is None:
                 path = self.call_paths.get(self._stack[-1].call_id, "") if self._stack else ""
             code = token_layout.override(self.layouts_override, path, t.shape, g.shape, code)
         if code is None:
+            self.unrowed.add(vid)
             return
+        self.unrowed.discard(vid)
         if code in (token_layout.AMBIGUOUS, token_layout.CROSS):
             self.store.add_rows(vid, g.call_id, code, None)
             return
@@ -88,13 +114,103 @@ class TokenRows:
             if ref is not None and token_layout.same_rows(ref[0], code, alias[1], t, g.shape):
                 self.store.add_rows_ref(vid, g.call_id, code, ref[1])
                 return
-        hashes = strided_row_fingerprints(t, code, token_layout.row_count(code, g.shape))
-        if hashes is None:
-            hashes = rows_bytes(row_fingerprints(token_layout.rows_2d(t, code)))
+        dev = self.device
+        if dev is not None and (dev.forced or not t.is_cpu):  # on the device, read on the writer thread
+            hashes = dev.pending_rows(token_layout.rows_2d(t, code))
+        else:
+            hashes = strided_row_fingerprints(t, code, token_layout.row_count(code, g.shape))
+            if hashes is None:
+                hashes = rows_bytes(row_fingerprints(token_layout.rows_2d(t, code)))
         self.store.add_rows(vid, g.call_id, code, hashes)
+
+    def observe_positions(self, t: torch.Tensor) -> None:
+        """The position ids the model uses in the current root call, from the first module input named
+        `position_ids`/`positions` below the root: what HF computes itself where the caller passed none (an arange
+        over the padded length, not the positions a token has in its sequence). Read once per root call: on the
+        CPU a host read of a small integer tensor, as the root's input ids are; on the device path the store
+        queues its copy, read on the writer thread."""
+        self.positions_seen = True
+        g = self.grid
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.is_meta:
+            return
+        if len(g.shape) == 2:
+            b, n = g.shape
+            if t.dim() == 1 and t.shape[0] == n:
+                t = t[None]
+            if not (t.dim() == 2 and t.shape[1] == n and t.shape[0] in (1, b)):
+                return
+            used = t.expand(b, n).reshape(-1)
+        else:
+            if t.dim() == 2 and t.shape[0] == 1:
+                t = t[0]
+            if not (t.dim() == 1 and t.shape[0] == g.shape[0]):
+                return
+            used = t
+        self.store.add_used(g.call_id, used)
+
+    def final(self, calls, t: torch.Tensor, rows, kind, targets, call=None) -> None:
+        """rec.final: write `t` as the final values of `rows` (cells) of the last root call's token grid (or of root
+        call number `call`), as a call of the pseudo module FINAL with a token grid of its own (one cell per row)."""
+        from divtrace.record.token_identity import TokenGrid
+
+        where = "rec.final"
+        g = self.last_grid if call is None else self.grids_by_call.get(call)
+        if call is not None and g is None:
+            raise DivtraceError(f"{where}: root call {call} has no token rows (root calls with rows: "
+                                f"{sorted(self.grids_by_call)[:8]})")
+        if not isinstance(t, torch.Tensor):
+            raise DivtraceError(f"{where}: values must be a tensor, got {type(t).__name__}")
+        if g is None:
+            raise DivtraceError(f"{where}: no root call with token rows has ended yet: call it after the model call "
+                                "whose tokens the values belong to (declare them with rec.tokens, or an HF-style call)")
+        if isinstance(rows, str) and rows == "last":
+            cells = _last_cells(g)
+        else:
+            cells = _int_list(rows, where, "rows") if rows is not None else list(range(len(g.keys)))
+        if t.dim() == 0 or t.shape[0] != len(cells):
+            raise DivtraceError(f"{where}: values of shape {list(t.shape)} hold {t.shape[0] if t.dim() else 0} rows, "
+                                f"but {len(cells)} rows were named; give one row of values per cell")
+        bad = next((c for c in cells if not 0 <= c < len(g.keys)), None)
+        if bad is not None:
+            raise DivtraceError(f"{where}: row {bad} is outside the last root call's {len(g.keys)} token rows")
+        if kind is None:
+            kind = "logits" if t.dim() >= 2 and t.shape[-1] > 1 else "logprobs"
+        if kind not in ("logits", "logprobs"):
+            raise DivtraceError(f"{where}: kind must be 'logits' or 'logprobs', got {kind!r}")
+        if kind == "logits" and t.dim() < 2:
+            raise DivtraceError(f"{where}: logits need a row of vocabulary values per cell (2-D), got shape "
+                                f"{list(t.shape)}")
+        nxt = _int_list(targets, where, "targets") if targets is not None else None
+        if nxt is not None and len(nxt) != len(cells):
+            raise DivtraceError(f"{where}: {len(nxt)} targets for {len(cells)} rows")
+
+        def grid_for(call_id, call_number):
+            return TokenGrid(call_id, call_number, [len(cells)], [g.keys[c] for c in cells], [g.pos[c] for c in cells],
+                             [g.ids[c] for c in cells], [g.fed[c] for c in cells], [g.seq[c] for c in cells], kv_len=0,
+                             source=f"final:{kind}", next_ids=nxt)
+
+        calls.pseudo_call(FINAL, grid_for, t, f"out.{kind}")
+
+    def last_rows(self, call=None) -> list[int]:
+        """rec.last_rows: the last cell of each sequence in the last root call's token grid (or root call number
+        `call`), in the order the sequences first appear."""
+        g = self.last_grid if call is None else self.grids_by_call.get(call)
+        if g is None:
+            raise DivtraceError(f"rec.last_rows: {'no root call with token rows has ended yet' if call is None else f'root call {call} has no token rows'}")
+        return _last_cells(g)
 
     def close(self) -> dict | None:
         """Close the token files: meta.json's `tokens` summary (None when there is none to give)."""
         tokens = self.store.close() if self.store is not None else None
         self.warnings.extend(w for w in self.tracker.warnings if w not in self.warnings)
         return tokens
+
+
+def _last_cells(g) -> list[int]:
+    """The last cell of each sequence of a grid, in the order the sequences first appear (a generate step's
+    predicting rows)."""
+    last: dict = {}
+    for c, sq in enumerate(g.seq):
+        if sq >= 0:
+            last[sq] = c
+    return list(last.values())

@@ -30,18 +30,27 @@ class TokenStoreWriter:
         self.unrowed: dict[str, int] = {}  # layout code ("?", "x") -> values compared whole
         self.current: dict[int, tuple[str, int]] = {}  # vid -> (code, offset) of the root call in progress
         self.shared = 0  # values that point at another value's rows (views of it)
+        self.rowed: set[int] = set()  # every value given rows (rows.jsonl lists a value once)
 
     def add_grid(self, grid) -> None:
         for number, first in grid.new_seqs:
             self._tokens.append(_COMPACT({"S": number, "first": first}))
-        self._tokens.append(_COMPACT(
-            {"c": grid.call_id, "n": grid.root_call, "shape": grid.shape, "kv": grid.kv_len, "src": grid.source,
-             "keys": grid.keys, "pos": grid.pos, "ids": grid.ids, "fed": grid.fed, "seq": grid.seq}))
+        line = {"c": grid.call_id, "n": grid.root_call, "shape": grid.shape, "kv": grid.kv_len, "src": grid.source,
+                "keys": grid.keys, "pos": grid.pos, "ids": grid.ids, "fed": grid.fed, "seq": grid.seq}
+        if grid.next_ids is not None:
+            line["next"] = grid.next_ids
+        self._tokens.append(_COMPACT(line))
         self.grids += 1
+
+    def add_used(self, call_id: int, used) -> None:
+        """The position ids the model used in root call `call_id`, one per cell (an integer tensor, 1-D, read from
+        inside the call)."""
+        self._tokens.append(_COMPACT({"P": call_id, "used": used.tolist()}))
 
     def add_rows(self, vid: int, call_id: int, code: str, hashes) -> None:
         """`hashes`: a numpy uint64 array, one per token row, or those as little-endian bytes
         (hashing.rows.strided_row_fingerprints); None for a value whose rows cannot be compared."""
+        self.rowed.add(vid)
         if hashes is None:
             self._index.append(f'[{vid},{call_id},"{code}",-1]')
             self.unrowed[code] = self.unrowed.get(code, 0) + 1
@@ -60,6 +69,7 @@ class TokenStoreWriter:
         """A value whose rows are another value's (a view holding the same bytes per row): its index line points at
         those fingerprints."""
         self._index.append(f'[{vid},{call_id},"{code}",{offset}]')
+        self.rowed.add(vid)
         self.current[vid] = (code, offset)
         self.shared += 1
 
@@ -69,19 +79,24 @@ class TokenStoreWriter:
         self.hand_over()
 
     def hand_over(self) -> None:
+        self.add_parts(self._bin, self._index, self._tokens)
+
+    def add_parts(self, bins: list, index: list, tokens: list) -> None:
+        """Hand row bytes, rows.jsonl lines and tokens.jsonl lines to the trace writer's files; each list is
+        emptied. (The device path's store calls it from the writer thread with lists of its own.)"""
         files = self.files
         if files is None:
-            self._bin.clear(), self._index.clear(), self._tokens.clear()
+            bins.clear(), index.clear(), tokens.clear()
             return
-        if self._bin:
-            files.add(ROWS_BIN, b"".join(self._bin))
-            self._bin.clear()
-        if self._index:
-            files.add(ROWS_INDEX, ("\n".join(self._index) + "\n").encode())
-            self._index.clear()
-        if self._tokens:
-            files.add(TOKENS, ("\n".join(self._tokens) + "\n").encode())
-            self._tokens.clear()
+        if bins:
+            files.add(ROWS_BIN, b"".join(bins))
+            bins.clear()
+        if index:
+            files.add(ROWS_INDEX, ("\n".join(index) + "\n").encode())
+            index.clear()
+        if tokens:
+            files.add(TOKENS, ("\n".join(tokens) + "\n").encode())
+            tokens.clear()
 
     def close(self) -> dict:
         """Hand over what is left (the trace writer's close writes it); meta.json's `tokens` summary."""

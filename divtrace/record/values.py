@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from divtrace.trace.derived_views import DERIVABLE_VIEWS, REORDERING, rebuildable, view_fingerprint
+from divtrace.trace.device_results import PendingDerived
 from divtrace.trace.fingerprint import dtype_name
 from divtrace.trace.hashing.tensor import hash_with_stats as fingerprint
 from divtrace.trace.records import TensorValue
@@ -77,6 +78,14 @@ def op_tensors(obj, out: list, depth: int = 0) -> list:
 
 def _arg_vids(enc_args, enc_kwargs) -> list[int]:
     return [a["$v"] for a in (*enc_args, *enc_kwargs.values()) if type(a) is dict and "$v" in a]
+
+
+def derive(op: str, src: TensorValue, shape: list, enc_args, enc_kwargs):
+    """The derived fingerprint of view `op` of `src` (divtrace.trace.derived_views); pending while `src`'s own
+    fingerprint is still on its device (the device path: resolved by the trace writer's thread)."""
+    if type(src.hash) is str:
+        return view_fingerprint(op, src.hash, src.dtype, src.shape, shape, enc_args, enc_kwargs)
+    return PendingDerived(src.hash, op, src.dtype, src.shape, shape, enc_args, enc_kwargs)
 
 
 def copy_value(v: TensorValue, **changes) -> TensorValue:
@@ -198,6 +207,9 @@ class ValueIdentity:
             # through the dispatch mode, so its output is first read here), or it cannot be known (ops=False
             # and an inference tensor): the bytes decide. Unchanged bytes keep their value and its producer.
             v = entry[2]
+            device = self.writer.device
+            if device is not None and (device.forced or not t.is_cpu) and v.vid not in self._derived:
+                return self._provisional(t, entry, version, new_values, boundary, root_output, unsettled)
             if v.vid not in self._derived:
                 fp = fingerprint(t)
                 if (fp[0] == v.hash and dtype_name(t.dtype) == v.dtype and list(t.shape) == v.shape
@@ -211,6 +223,33 @@ class ValueIdentity:
             self._tokens.rows(v.vid, t, root_output)
         if unsettled and entry[1] == version:  # changed, and no torch op wrote it: it may be again
             self._unsettled.add(v.vid)
+            self.skip(_RAW_WRITE)
+        return v.vid
+
+    def _provisional(self, t, entry, version, new_values, boundary, root_output, unsettled) -> int:
+        """vid_of on the device path, where the bytes decide: a new value that the trace writer's thread drops again
+        when its fingerprint is the old value's (divtrace.trace.device_writer), so nothing waits for the device
+        here. Different dtype, shape or stride need no bytes: a new value at once, as on the CPU path."""
+        old = entry[2]
+        raw = unsettled and entry[1] == version  # no torch op wrote it: if it changed, a raw write did
+        tokens = self._tokens
+        if dtype_name(t.dtype) == old.dtype and list(t.shape) == old.shape and list(t.stride()) == old.stride:
+            v = self.writer.device.provisional_value(t, old, _RAW_WRITE if raw else None)
+            if boundary and tokens.grid is not None:  # the rows the CPU path keeps when the bytes are old's
+                tokens.store.provisional(v.vid, old.vid, keep=root_output and (old.vid not in tokens.rowed
+                                                                          or old.vid in tokens.unrowed))
+            settled = False
+        else:
+            v = self.writer.new_value(t, producer=None)
+            settled = True
+        new_values.append(v)
+        self._tensors[t] = (v.vid, version, v)
+        if boundary and tokens.grid is not None:
+            tokens.rows(v.vid, t, root_output)
+        # Unsettled stays unsettled (when the bytes turn out old's, the old value was too: re-read all the same).
+        if raw or (unsettled and not settled):
+            self._unsettled.add(v.vid)
+        if raw and settled:
             self.skip(_RAW_WRITE)
         return v.vid
 
@@ -290,7 +329,7 @@ class ValueIdentity:
         if self.mode == "full" and not (rebuildable(enc_args, enc_kwargs)
                                         and e[0] in _arg_vids(enc_args, enc_kwargs)):
             return None  # a reader could not rebuild it from the op: store its bytes
-        h = view_fingerprint(op, e[2].hash, e[2].dtype, e[2].shape, list(t.shape), enc_args, enc_kwargs)
+        h = derive(op, e[2], list(t.shape), enc_args, enc_kwargs)
         stats = e[2].stats if op.split(".")[1] in REORDERING else {}
         v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
                        stride=list(t.stride()), hash=h, stats=stats, blob=None, shard=None, derived=True,
@@ -308,7 +347,7 @@ class ValueIdentity:
             p = todo.pop()
             for child, op, args, kwargs in self._view_children.pop(p.vid, ()):
                 if child.derived:  # not already given its real fingerprint at a boundary of its own
-                    child.hash = view_fingerprint(op, p.hash, p.dtype, p.shape, child.shape, args, kwargs)
+                    child.hash = derive(op, p, child.shape, args, kwargs)
                     todo.append(child)
 
     def _real_hash(self, t, entry):

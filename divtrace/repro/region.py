@@ -97,7 +97,7 @@ def _first_divergence(ta: Trace, tb: Trace, path_map: PathMap | None):
 
         raise Inconclusive(f"{ta.path} and {tb.path}: no divergence found to reproduce, and the comparison is "
                            f"inconclusive: {r.reason}")
-    if r.first is None:
+    if r.first is None and not (r.verdict == "diverged" and getattr(r, "origins", None)):
         raise DivtraceError(f"{ta.path} and {tb.path}: no divergence ({r.verdict}: {r.compared} tensor pairs compared, "
                             "all bitwise equal); there is nothing to reproduce")
     return r
@@ -123,13 +123,23 @@ def token_row_index(view, vid: int) -> list | None:
     return layout.row_index(e[1], g.shape, view.cell)
 
 
-def _token_target(ta: Trace, tb: Trace, r, path_map: PathMap | None) -> Target:
-    """The first divergence of a token-aligned bisect: each side's call that holds the token, the differing values
-    (each side's whole tensor, at the batch that side ran), and the token's row in each."""
+def _token_target(ta: Trace, tb: Trace, r, path_map: PathMap | None, at: int | None = None) -> Target:
+    """An origin of a token-aligned bisect (the first, or `at`: the one whose parting op is record `at` of a):
+    each side's call that holds the token, the differing values (each side's whole tensor, at the batch that side
+    ran), and the token's row in each."""
     from divtrace.align.tokens import TokenView
 
-    first = r.first
-    ra, ca, rb, cb = r.first_cells
+    pick = [i for i, d in enumerate(r.origin_divs) if d is not None and (at is None or d.index == at)]
+    if not pick:
+        listed = ", ".join(f"{d.index} ({d.module or '<root>'} {d.op or d.op_b})" for d in r.origin_divs if d is not None)
+        if at is not None:
+            raise DivtraceError(f"{ta.path}: --at {at} is the record of no origin of this token-aligned bisect; its "
+                                f"origins' records: {listed or 'none'}")
+        kinds = ", ".join(o["cause_text"] for o in r.origins if o.get("cause_text"))
+        raise DivtraceError(f"{ta.path} vs {tb.path}: the difference is no op to reproduce: {kinds}")
+    i = pick[0]
+    first = r.origin_divs[i]
+    ra, ca, rb, cb = r.origin_cells[i]
     va_view, vb_view = TokenView(r.token_sides[0], ra, ca), TokenView(r.token_sides[1], rb, cb)
     call_a = next(c for c in va_view.calls.values() if c.module == first.module and c.call == first.call)
     call_b = Pairing(va_view, vb_view, path_map).partner(call_a)
@@ -141,19 +151,25 @@ def _token_target(ta: Trace, tb: Trace, r, path_map: PathMap | None) -> Target:
         if rows[s] is None:
             raise DivtraceError(f"{view.path}: the differing value of {first.module or '<root>'} has no row for the token "
                                 "(its token layout is unknown); cannot cut a repro of one token's row")
-    return Target(first.vid_a, first.vid_b, ta.calls[call_a.call_id], tb.calls[call_b.call_id], first.index,
+    return Target(first.vid_a, first.vid_b, _recorded(ta, call_a), _recorded(tb, call_b), first.index,
                   first.index_b, first.op, first.op_b, first.cause, first.tensor,
                   views={"a": va_view, "b": vb_view}, row_index=rows)
+
+
+def _recorded(t: Trace, call) -> ModuleCall:
+    """The recorded call behind `call`: itself, or for a map's stand-in (vLLM's q_proj split from its fused qkv_proj)
+    the call it stands for, which started at the same record."""
+    got = t.calls.get(call.call_id)
+    if got is not None and got.enter_index == call.enter_index:
+        return got
+    return next(c for c in t.calls.values() if c.enter_index == call.enter_index)
 
 
 def find_target(ta: Trace, tb: Trace, at: int | None = None, path_map: PathMap | None = None) -> Target:
     result = _first_divergence(ta, tb, path_map)
     first = result.first
     if getattr(result, "alignment", "calls") == "tokens":
-        if at is not None and at != first.index:
-            raise DivtraceError(f"{ta.path}: --at is not supported for a token-aligned divergence yet; the repro is "
-                                f"of the first one (record {first.index}); pass --align calls to bisect by calls")
-        return _token_target(ta, tb, result, path_map)
+        return _token_target(ta, tb, result, path_map, at)
     pairing = Pairing(ta, tb, path_map)
     if at is None or at == first.index:
         ca = _call_by_key(ta, first.module, first.call)

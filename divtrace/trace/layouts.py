@@ -203,29 +203,47 @@ def _prod(xs) -> int:
 
 class LayoutWriter:
     """Queues a rank's layout lines and hands them to the trace writer's checksummed files before each flush of its
-    records (so layouts.jsonl is written in step with records.jsonl, under its checksums: trace/side_files.py)."""
+    records (so layouts.jsonl is written in step with records.jsonl, under its checksums: trace/side_files.py). On
+    the device path (trace/device_writer.py) the lines go out on its writer thread, as a job before the records of
+    the same flush, once the partial fingerprints they hold have landed on the host."""
 
     def __init__(self, writer) -> None:
         self.files = writer.files
+        self.device = getattr(writer, "device", None)
         self._lines: list[dict] = []
         writer.before_flush.append(self.hand_over)
 
     def add(self, line: dict) -> None:
-        """Queue a line. Its `h` may still be an int64 [2] tensor on a device: read to the host when handed over,
-        all of them in one read (a partial fingerprint taken on a GPU never makes the host wait where it is taken)."""
+        """Queue a line. Its `h` may still be on its way from a device: a slot of the device path's batches (read on
+        its writer thread), or an int64 [2] tensor on a device (read to the host at the next flush, all of them in
+        one read, where there is no device path)."""
         self._lines.append(line)
 
     def hand_over(self) -> None:
         if not self._lines or self.files is None:
             return
-        pending = [d for d in self._lines if "h" in d and not isinstance(d["h"], str)]
-        if pending:
+        lines, self._lines = self._lines, []
+        if self.device is not None:  # (the writer thread: after the batches holding the partials landed)
+            self.device.submit(lambda settled: self._write(lines))
+        else:
+            self._write(lines)
+
+    def _write(self, lines: list[dict]) -> None:
+        pending = [d for d in lines if "h" in d and not isinstance(d["h"], str)]
+        slots = [d for d in pending if hasattr(d["h"], "words")]
+        if slots:
+            from divtrace.trace.hashing.spec import to_hex
+
+            for d in slots:
+                w = d["h"].words()
+                d["h"] = to_hex(int(w[0]), int(w[1]))
+        tensors = [d for d in pending if not isinstance(d["h"], str)]
+        if tensors:
             import torch
 
             from divtrace.trace.hashing.tensor import hexes
 
-            for d, h in zip(pending, hexes(torch.stack([d["h"] for d in pending]))):
+            for d, h in zip(tensors, hexes(torch.stack([d["h"] for d in tensors]))):
                 d["h"] = h
-        data = ("\n".join(json.dumps(d, separators=(",", ":")) for d in self._lines) + "\n").encode()
-        self._lines.clear()
+        data = ("\n".join(json.dumps(d, separators=(",", ":")) for d in lines) + "\n").encode()
         self.files.add(LAYOUTS, data)

@@ -25,12 +25,12 @@ from divtrace.trace.files import CHECKSUMS, META
 from divtrace.trace.token_keys import ROOT_KEY, next_keys
 
 SHA_EMPTY = hashlib.sha256(b"").hexdigest()
-_LAST = re.compile(r"last[1-9][0-9]*\Z")
+_LAST = re.compile(r"(last|prev)[1-9][0-9]*\Z")
 WHOLE_CODES = ("x", "?")  # layouts compared whole: no rows (offset -1)
 
 
 def valid_code(code) -> bool:
-    return type(code) is str and (code in ("bt", "bht", "n") or code in WHOLE_CODES or bool(_LAST.match(code)))
+    return type(code) is str and (code in ("bt", "bht", "n", "1t") or code in WHOLE_CODES or bool(_LAST.match(code)))
 
 
 # -- the bytes ------------------------------------------------------------------------------------------------------

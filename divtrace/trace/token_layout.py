@@ -5,6 +5,11 @@ Layouts (codes stored in rows.jsonl):
 - "bht": [B, H, T, ...]   row (b, t) is x[b, :, t]         (heads-first attention tensors)
 - "n":   [B*T, ...]       row i is x[i], cells row-major    (flattened tokens: engines, a linear's 2-D input)
 - "lastK": [B, K, ...] with K < T, root outputs only: the last K cells of each row (HF's `logits_to_keep`)
+- "prevK": [B, K] with K < T, root outputs only: one value per cell for the K cells before each row's last one: a
+           per-token log-probability output (TRL's `[B, T-1]` logps, or the completion's K): the value at cell
+           (b, t) is the logprob of the token that follows it, so it is keyed by the cell that predicts
+- "1t":  [1, T, ...]      row (b, t) is x[0, t]            (a value broadcast over the batch: HF's position ids and
+           cos/sin when the caller passed no position ids)
 
 A shape that fits two layouts with different rows (B, H, T with H == T) is ambiguous and gets no rows: it is
 compared whole. A heads-first tensor whose last dim is the call's key/value length (attention scores, a 4-D mask)
@@ -17,7 +22,7 @@ AMBIGUOUS = "?"
 CROSS = "x"
 
 
-def infer(shape, grid_shape: list[int], kv_len: int, root_output: bool = False) -> str | None:
+def infer(shape, grid_shape: list[int], kv_len: int, root_output: bool = False, floating: bool = True) -> str | None:
     """The layout code of a tensor of `shape` in a call with token grid `grid_shape`; None when it holds no token
     rows, AMBIGUOUS or CROSS when it has some but they cannot be compared row by row."""
     nd = len(shape)
@@ -33,6 +38,11 @@ def infer(shape, grid_shape: list[int], kv_len: int, root_output: bool = False) 
         return AMBIGUOUS  # [B, T, T, ...] or [B, H, T, ...] with H == T
     if (bt or bht) and nd >= 4 and kv_len > 1 and shape[-1] == kv_len:
         return CROSS  # [B, H, T, kv] scores, [B, 1, T, kv] masks (in a decode step [B, 1, 1, kv] fits "bt" too)
+    if floating and b > 1 and 2 <= nd <= 3 and shape[0] == 1 and shape[1] == t and not (t == 1 and nd == 2):
+        # one row per column, the same for every batch row: cos/sin of positions [1, T]. Not integer ones: an
+        # arange over the padded length (cache positions) numbers slots, not tokens, and differs by construction
+        # between padding sides (the positions a model uses are compared as positions instead)
+        return "1t"
     found = [c for c, ok in (("bt", bt), ("bht", bht), ("n", n)) if ok]
     if len(found) > 1 and t == 1 and found[-1] == "n":
         found.pop()  # with T == 1, x[b] holds the same bytes as x[b, 0] or x[b, :, 0]: the T dim decides
@@ -40,15 +50,19 @@ def infer(shape, grid_shape: list[int], kv_len: int, root_output: bool = False) 
         return AMBIGUOUS
     if found:
         return found[0]
-    if root_output and nd >= 2 and shape[0] == b and 0 < shape[1] < t:
+    if root_output and nd >= 3 and shape[0] == b and 0 < shape[1] < t:
         return f"last{shape[1]}"
+    if root_output and nd == 2 and shape[0] == b and 0 < shape[1] < t:
+        return f"prev{shape[1]}"
     return None
 
 
 def row_count(code: str, grid_shape: list[int]) -> int:
     """How many rows a value of this layout stores."""
-    if code.startswith("last"):
+    if code.startswith("last") or code.startswith("prev"):
         return grid_shape[0] * int(code[4:])
+    if code == "1t":
+        return grid_shape[1]
     n = 1
     for s in grid_shape:
         n *= s
@@ -62,6 +76,13 @@ def cell_row(code: str, grid_shape: list[int], cell: int) -> int | None:
         t = grid_shape[1]
         b, c = divmod(cell, t)
         return b * k + (c - (t - k)) if c >= t - k else None
+    if code.startswith("prev"):  # the K cells before the last of each row
+        k = int(code[4:])
+        t = grid_shape[1]
+        b, c = divmod(cell, t)
+        return b * k + (c - (t - 1 - k)) if t - 1 - k <= c < t - 1 else None
+    if code == "1t":
+        return cell % grid_shape[1]
     return cell
 
 
@@ -70,7 +91,7 @@ def rows_2d(x, code: str):
     if code == "bht":
         x = x.transpose(1, 2)
         return x.reshape(x.shape[0] * x.shape[1], -1)
-    if code == "bt" or code.startswith("last"):
+    if code in ("bt", "1t") or code.startswith("last") or code.startswith("prev"):
         return x.reshape(x.shape[0] * x.shape[1], -1)
     return x.reshape(x.shape[0], -1)
 
@@ -82,7 +103,9 @@ def row_of(x, code: str, grid_shape: list[int], cell: int):
         return None
     if code == "n":
         return x[r]
-    if code.startswith("last"):
+    if code == "1t":
+        return x[0, r]
+    if code.startswith("last") or code.startswith("prev"):
         k = int(code[4:])
         return x[r // k, r % k]
     t = grid_shape[1]
@@ -98,7 +121,9 @@ def row_index(code: str, grid_shape: list[int], cell: int) -> list | None:
         return None
     if code == "n":
         return [r]
-    if code.startswith("last"):
+    if code == "1t":
+        return [0, r]
+    if code.startswith("last") or code.startswith("prev"):
         k = int(code[4:])
         return [r // k, r % k]
     b, c = divmod(r, grid_shape[1])
@@ -211,4 +236,8 @@ def fits(code: str, shape, grid_shape) -> bool:
         return nd >= 3 and shape[0] == b and shape[2] == t
     if code.startswith("last"):
         return nd >= 2 and shape[0] == b and shape[1] == int(code[4:]) < t
+    if code.startswith("prev"):
+        return nd == 2 and shape[0] == b and shape[1] == int(code[4:]) < t
+    if code == "1t":
+        return nd >= 2 and shape[0] == 1 and shape[1] == t
     return False

@@ -6,6 +6,8 @@ divtrace.record.token_store, in step with records.jsonl and under its checksums:
   cell), preceded by {"S": sequence number, "first": first ids} for each sequence that starts in that call. A line
   is a grid when it has "c" and "keys", a sequence start when it has "S"; any other JSON object is a line kind of a
   newer divtrace, kept as (line number, object) in `other_lines`, as are a grid line's other keys in `Grid.extra`.
+  A grid of rec.final's declared values has "src": "final:logits" or "final:logprobs" (and "next": the ids the
+  logprobs are of); {"P": call id, "used": [...]} gives the position ids the model used in that call, per cell.
 - rows.bin: little-endian uint64 row fingerprints (divtrace.record.rowhash, scheme in meta tokens.row_scheme), 8
   bytes per token row.
 - rows.jsonl: one line per value with token rows: [vid, call id, layout code, offset in rows.bin (in rows)].
@@ -45,6 +47,19 @@ class Grid:
     line: int = 0  # its line in tokens.jsonl
     extra: dict = field(default_factory=dict)  # keys of its line this reader does not know
     arrays: tuple = ()  # (keys, pos, ids, seq) as numpy arrays, while the file is checked
+    used: list | None = None  # the position ids the model used (read inside the call: a "P" line), one per cell
+
+
+    @property
+    def final(self) -> str | None:
+        """"logits" or "logprobs" for a grid of rec.final's declared values, else None."""
+        return self.source[6:] if self.source.startswith("final:") else None
+
+    @property
+    def next(self) -> list | None:
+        """rec.final's logprobs: the id each value is the logprob of, where declared."""
+        nxt = self.extra.get("next")
+        return nxt if isinstance(nxt, list) and len(nxt) == len(self.keys) else None
 
 
 _GRID_KEYS = ("c", "n", "shape", "kv", "src", "keys", "pos", "ids", "fed", "seq")
@@ -147,6 +162,7 @@ class TokenIndex:
             for g in grids:
                 self._take_grid(g)
             self.first_ids = {s: first for s, (first, _) in first_ids.items()}
+            self._take_used()
             self._check_counts_of_grids(len(grids))
             self._bin = None
             self._index = None
@@ -158,6 +174,22 @@ class TokenIndex:
             raise
         if bad:
             raise DivtraceError("; ".join(bad.values()))
+
+    def _take_used(self) -> None:
+        """The "P" lines: the position ids each root call's model used, one per cell of its grid."""
+        for n, d in self.other_lines:
+            if "P" not in d:
+                continue
+            g = self.grids.get(d["P"])
+            used = d.get("used")
+            if g is None:
+                if d["P"] in self.cut_grids:
+                    continue
+                raise DivtraceError(f"{self.path / TOKENS}:{n}: positions of call {d['P']!r}, which has no token grid")
+            if not (isinstance(used, list) and len(used) == len(g.keys) and all(type(x) is int for x in used)):
+                raise DivtraceError(f"{self.path / TOKENS}:{n}: the positions of call {g.call_id} are not "
+                                    f"{len(g.keys)} ints, one per cell of its grid")
+            g.used = used
 
     def _take_grid(self, g: Grid) -> None:
         call = self.trace.calls.get(g.call_id)

@@ -30,30 +30,26 @@ import torch
 from divtrace.errors import DivtraceError
 from divtrace.oserrors import os_reason
 from divtrace.trace.directory import prepare_trace_dir, release_lock, remove_if_created
-from divtrace.trace.files import CHECKSUMS, META, RECORDS, atomic_write_bytes, compact_encoder, fsync_dir, readable_json
+from divtrace.trace.files import CHECKSUMS, META, RECORDS, atomic_write_bytes, fsync_dir, readable_json
 from divtrace.trace.fingerprint import dtype_name, flat_bytes
 # Traces are written in the shard-summable scheme (docs/trace-format.md, "Fingerprint schemes"); the older
 # lane32-wsum128 is still read (divtrace.trace.fingerprint.hasher).
 from divtrace.trace.hashing import TENSOR_SCHEME as HASH_SCHEME
 from divtrace.trace.hashing.tensor import IMPLEMENTATION, hash_with_stats as fingerprint
 from divtrace.trace.records import FORMAT_VERSION, TensorValue, json_safe, record_compact
+from divtrace.trace.device_writer import DeviceWriterHooks, encode_line
 from divtrace.trace.shards import ShardStore
 from divtrace.trace.side_files import ChecksummedFiles
 
-_ENCODE = compact_encoder()
 
 
 def _record_line(rec, values: list[TensorValue]) -> str:
     # Records and values are flat dataclasses of JSON-ready fields (stats were made safe when taken), so
     # record_compact reads their fields directly: dataclasses.asdict deep-copies and was a third of the cost.
-    d = record_compact(rec, values)
-    try:
-        return _ENCODE(d)
-    except ValueError:  # a non-finite float slipped into an op argument
-        return _ENCODE(json_safe(d))
+    return encode_line(record_compact(rec, values))
 
 
-class TraceWriter:
+class TraceWriter(DeviceWriterHooks):
     def __init__(self, path, *, mode: str, meta: dict, overwrite: bool = False,
                  shard_bytes: int = 128 << 20, flush_records: int = 4096, durable: bool = False,
                  checksummed_files=()):
@@ -88,6 +84,7 @@ class TraceWriter:
         self.n_written = 0  # records on disk
         self.store_seconds = 0.0  # full mode: time spent writing values' bytes and finishing shards (the write path)
         self.failed: str | None = None  # set when a write failed; nothing more is written after that
+        self.device = None  # the device path (device_writer.DeviceWriting), from use_device()
         self._closed = False
         fds = []
         try:
@@ -145,6 +142,8 @@ class TraceWriter:
     def new_value(self, t: torch.Tensor, producer: int | None, fp: tuple[str, dict] | None = None) -> TensorValue:
         """Fingerprint `t` now (and, in full mode, write its bytes into the open shard), returning its new
         value. `fp` is `fingerprint(t)` when the caller has just taken it."""
+        if self.device is not None and fp is None and (self.device.forced or not t.is_cpu):
+            return self.device.new_value(t, producer)
         src = t
         if self.mode == "full" and fp is None and not (t.is_cpu and t.is_contiguous()):
             # The bytes must be made contiguous (and on the CPU) to be written anyway: torch's copy is
@@ -195,7 +194,8 @@ class TraceWriter:
         self.n_records += 1
         if len(self._pending_records) >= self._flush_records or (
                 self._shards.open is not None and self._shards.open.size >= self._shard_bytes) or (
-                self.files is not None and self.files.pending_bytes >= self._files_bytes):
+                self.files is not None and self.files.pending_bytes >= self._files_bytes) or (
+                self.device is not None and self.device.flush_due(self._shard_bytes, self._files_bytes)):
             self.flush()
 
     def flush(self) -> None:
@@ -203,14 +203,20 @@ class TraceWriter:
         vouches for both, then the pending records."""
         if self.failed:
             return
+        if self.device is not None:  # the writer thread writes, once the values' device results have landed
+            self.device.check()
+            for hand_over in self.before_flush:  # (the device path's token store keeps them for the writer thread)
+                hand_over()
+            records = self._pending_records
+            if records:
+                self._written_vids_below = self._next_vid
+                self._pending_records = []
+            self.device.submit_records(records, len(records))
+            return
         self.critical = True
         try:
             if self._shards.open is not None:
-                t0 = time.perf_counter()
-                try:
-                    self._shards.finish()
-                finally:
-                    self.store_seconds += time.perf_counter() - t0
+                self._finish_shard()
             for hand_over in self.before_flush:
                 hand_over()
             data = self._take_records()
@@ -244,6 +250,13 @@ class TraceWriter:
         self._written_vids_below = self._next_vid
         self._pending_records = []
         return data, n
+
+    def _finish_shard(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._shards.finish()
+        finally:
+            self.store_seconds += time.perf_counter() - t0
 
     def _write_records(self, data: bytes, n: int) -> None:
         """The checksums line (records.jsonl as it will be, and the files beside it as they are), then the records."""
@@ -290,6 +303,10 @@ class TraceWriter:
             self.flush()
         except BaseException as e:  # a failed write, or a signal held during the last write
             flush_error = e
+        if self.device is not None:  # every job run, the thread stopped: nothing writes after this
+            extra = self.device.close(extra)
+            if flush_error is None:
+                flush_error = self.device.thread.error
         self._shards.discard()  # not finished (the flush failed): no records point to it, leave no temp file
         if self.failed:
             status, error = "error", self.failed

@@ -1,0 +1,219 @@
+"""Every origin of the tokens whose final values differ, with true counts, in execution order.
+
+- Positions first: a token whose position ids (as the model used them: `used`, else the ones fed) differ between
+  the sides is computed at another position; that is its cause ("position ids differ"), before any op.
+- The other tokens are grouped by their first differing module (the sweep's), so every distinct place is walked,
+  not only the first tokens by position. Each group's representatives are walked along differing outputs
+  (output_walker); a group's tokens count for the origin its representative leads to.
+- A parting op with an input that was not compared for the token (a decode step's KV cache against a trainer's
+  per-token K rows) is no proven origin yet: where a token the representative attends to (an earlier token of its
+  sequence) differs inside the same module, that token's difference is the origin, reaching this token through
+  attention; it is walked and counted there.
+- The order: an origin's op offset in its root call's forward (side a). A decode step's op is never earlier by wall
+  time: offsets are within one forward.
+
+In: the sweep, the compared finals, the folded views. Out: `Origin`s, the first one first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from divtrace.align.tokens import TraceTokens
+from divtrace.align.views import TokenViews
+from divtrace.compare.output_walker import OutputWalker
+from divtrace.compare.results import Divergence
+from divtrace.compare.values import TokenComparator
+
+MAX_WALKS = 48
+_LATE = 1 << 60
+
+
+@dataclass
+class Origin:
+    d: Divergence | None  # None for a positions origin
+    key: int  # the representative token
+    cells: tuple  # (root a, cell a, root b, cell b) of the representative
+    tokens: set = field(default_factory=set)
+    order: int = _LATE  # the parting op's offset in its root call's forward on side a
+    kind: str = "op"  # "op" | "module" | "positions" | "derivation"
+    note: str | None = None  # how it reaches the tokens counted (through attention over another token's K/V)
+    uncompared: list = field(default_factory=list)  # inputs of the parting op not compared for the token
+    positions: tuple | None = None  # (a's, b's) position ids, for a positions origin
+    walked_for: int | None = None  # the token walked to find it (its final differs; `key` may be another token)
+    offset: int = 0  # the parting op's record offset in its module call: the same op in every root call
+
+    def signature(self):
+        d = self.d
+        if d is None:
+            return (self.kind,)
+        return (d.module, d.call, d.op, d.op_b, d.kind, self.offset)
+
+
+def position_diffs(sa: TraceTokens, sb: TraceTokens, shared: list) -> dict:
+    """token key -> (position id on a, on b) where both are known and differ: `used` (read inside the call) where
+    recorded, else what was fed."""
+    out = {}
+    for k in shared:
+        pa, pb = _position(sa, k), _position(sb, k)
+        if pa >= 0 and pb >= 0 and pa != pb:
+            out[k] = (pa, pb)
+    return out
+
+
+def _position(tok: TraceTokens, k: int) -> int:
+    cid, cell = tok.where[k]
+    g = tok.index.grids[cid]
+    if g.used is not None:
+        return g.used[cell]
+    return g.fed[cell]
+
+
+def find_origins(sa: TraceTokens, sb: TraceTokens, views: TokenViews, explain: list, first_module: dict,
+                 module_rows: dict, positions: dict, fin_a: dict, fin_b: dict, tol=None) -> tuple[list[Origin], int]:
+    """(the origins, the first one first; how many tokens were walked)."""
+    found: list[Origin] = []
+    if any(k in positions for k in explain):
+        # every token computed at another position, whether its own final value was compared or not (prompt rows
+        # of a rollout under logits_to_keep=1 have none): the lowest position names it
+        k0 = min(positions, key=lambda k: (_pos_of(sa, k), k))
+        o = Origin(None, k0, _cells(sa, sb, k0), set(positions), order=-1, kind="positions",
+                   positions=positions[k0])
+        found.append(o)
+    rest = [k for k in explain if k not in positions]
+    groups: dict = {}
+    for k in rest:
+        groups.setdefault(first_module.get(k, (_LATE, None))[1], []).append(k)
+    for g in groups.values():
+        g.sort(key=lambda k: (_pos_of(sa, k), k))
+    # Representatives: one per group first, then round robin, up to MAX_WALKS walks.
+    reps: list[tuple] = []
+    depth = 0
+    while len(reps) < MAX_WALKS and any(len(g) > depth for g in groups.values()):
+        for label, g in groups.items():
+            if depth < len(g) and len(reps) < MAX_WALKS and (depth < 2 or len(reps) < MAX_WALKS // 2):
+                reps.append((label, g[depth]))
+        depth += 1
+    walker_for = _Walkers(sa, sb, views, tol)
+    by_group: dict = {}
+    for label, k in reps:
+        o = _walk(walker_for, sa, sb, k, fin_a, fin_b, module_rows)
+        if o is not None:
+            o.walked_for = k
+            by_group.setdefault(label, []).append(o)
+    for label, g in groups.items():
+        walked = by_group.get(label)
+        if not walked:
+            continue
+        reps_keys = {o.walked_for for o in walked}
+        for o in walked:
+            o.tokens = {o.walked_for}
+        for k in g:
+            if k not in reps_keys:
+                walked[0].tokens.add(k)
+        found.extend(walked)
+    merged: dict = {}
+    for o in found:
+        sig = o.signature()
+        have = merged.get(sig)
+        if have is None:
+            merged[sig] = o
+        else:
+            have.tokens |= o.tokens
+            have.note = have.note or o.note  # (some of its tokens it reaches through attention)
+            if (_pos_of(sa, o.key), o.key) < (_pos_of(sa, have.key), have.key):
+                have.key, have.cells = o.key, o.cells
+    return sorted(merged.values(), key=lambda o: (o.order, _pos_of(sa, o.key))), len(reps)
+
+
+class _Walkers:
+    def __init__(self, sa, sb, views, tol):
+        self.sa, self.sb, self.views, self.tol = sa, sb, views, tol
+
+    def __call__(self, k: int):
+        ra, ca = self.sa.where[k]
+        rb, cb = self.sb.where[k]
+        va, vb, pairing = self.views.pair(ra, ca, rb, cb)
+        return OutputWalker(va, vb, pairing, TokenComparator(va, vb, self.tol)), (ra, ca, rb, cb)
+
+
+def _walk(walker_for, sa, sb, k, fin_a, fin_b, module_rows) -> Origin | None:
+    walker, cells = walker_for(k)
+    va, vb = walker.a, walker.b
+    fa, fb = fin_a.get(k), fin_b.get(k)
+    target = (fa.vid, fb.vid, "final value") if fa is not None and fb is not None and fa.kind == fb.kind else None
+    try:
+        d = walker.localize_output(va.root, vb.root, target)
+    except AssertionError:
+        if fa is not None and fb is not None and fa.kind != fb.kind:
+            return Origin(None, k, cells, order=_LATE - 1, kind="derivation")
+        return None
+    o = Origin(d, k, cells, order=_order(va, d, cells[0]), kind=d.kind, offset=_offset(va, d))
+    if fa is not None and fb is not None and fa.kind != fb.kind and d.module == "" and d.cause == "origin" \
+            and not walker.output_differs(va.root, vb.root):
+        o.kind, o.d = "derivation", None  # only the logprobs derived from the logits differ
+        o.order = _LATE - 1
+        return o
+    o.uncompared = walker.uncompared_inputs(d) if d.kind == "op" else []
+    if any("cross-token" in u or "no token rows" in u for u in o.uncompared):
+        via = _through_attention(walker_for, sa, k, d, module_rows)
+        if via is not None:
+            return via
+    return o
+
+
+def _order(view, d: Divergence, root_cid: int) -> int:
+    root = view.calls[root_cid]
+    at = d.index if d.index is not None else root.enter_index
+    return at - root.enter_index
+
+
+def _offset(view, d: Divergence) -> int:
+    call = next((c for c in view.calls.values() if c.module == d.module and c.call == d.call), None)
+    return (d.index - call.enter_index) if call is not None and d.index is not None else 0
+
+
+def _through_attention(walker_for, sa: TraceTokens, k: int, d: Divergence, module_rows: dict) -> Origin | None:
+    """Where `d` (for token k) parts at an op with an input not compared for k (attention over the other tokens'
+    K/V): the earlier tokens of k's sequence whose rows differ inside the same module are where it comes from.
+    The earliest such token is walked inside that module (what makes its rows differ, whether or not its own
+    output shows it), and k is counted there."""
+    ra, ca = sa.where[k]
+    g = sa.index.grids[ra]
+    seq, pos = g.seq[ca], g.pos[ca]
+    prefix = d.module + "."
+    mods = [label for label, (_, row) in module_rows.items()
+            if label == d.module or label.split(" #")[0].startswith(prefix)]
+    cands = []
+    for label in mods:
+        for x, differs in module_rows[label][1].items():
+            if differs and x != k:
+                rx, cx = sa.where[x]
+                gx = sa.index.grids[rx]
+                if gx.seq[cx] == seq and gx.pos[cx] < pos:
+                    cands.append((gx.pos[cx], x))
+    if not cands:
+        return None
+    px, x = min(cands)
+    walker, cells = walker_for(x)
+    va, vb = walker.a, walker.b
+    ma = next((c for c in va.calls.values() if c.module == d.module and c.call == d.call), None)
+    mb = walker.pairing.partner(ma) if ma is not None else None
+    if mb is None or not walker.differs(ma, mb):
+        return None
+    dx = walker.localize(ma, mb)
+    o = Origin(dx, x, cells, {k}, order=_order(va, dx, cells[0]), kind=dx.kind, offset=_offset(va, dx),
+               note=f"reaches the token at position {pos} through attention over the K/V rows of the token at "
+                    f"position {px} of its sequence")
+    o.uncompared = walker.uncompared_inputs(dx) if dx.kind == "op" else []
+    return o
+
+
+def _cells(sa, sb, k):
+    ra, ca = sa.where[k]
+    rb, cb = sb.where[k]
+    return (ra, ca, rb, cb)
+
+
+def _pos_of(sa: TraceTokens, k: int) -> int:
+    cid, cell = sa.where[k]
+    return sa.index.grids[cid].pos[cell]
