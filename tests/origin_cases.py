@@ -55,7 +55,8 @@ def trainer(model, path, seqs, micro_batch: int = 2, mode: str = "full", positio
         with torch.no_grad(), divtrace.record(model, path, mode=mode, label="train", **kw):
             for i in range(0, len(seqs), micro_batch):
                 chunk = seqs[i:i + micro_batch]
-                ids, mask = (tc.left_padded if left_pad else tc.right_padded)(chunk)
+                ids, mask = (x.to(next(model.parameters()).device)
+                             for x in (tc.left_padded if left_pad else tc.right_padded)(chunk))
                 extra = {"position_ids": tc.positions(mask)} if positions else {}
                 model(input_ids=ids, attention_mask=mask, **extra)
                 t = ids.shape[1]

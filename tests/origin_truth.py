@@ -40,7 +40,7 @@ def _first_tensor(x):
 
 
 def _bits(row: torch.Tensor) -> bytes:
-    r = row.detach().contiguous()
+    r = row.detach().contiguous().cpu()  # (after the recording: a GPU run's rows are read here, not in the block)
     return bytes(r.view(torch.uint8).reshape(-1).tolist()) + str(r.dtype).encode()
 
 
@@ -142,7 +142,7 @@ class Truth:
             assert len(run.root_calls) == len(layouts), (len(run.root_calls), len(layouts))
             for calls, lay in zip(run.root_calls, layouts):
                 for c in calls:
-                    is_final = c.module == final
+                    is_final = c.module in (final, "")  # (an HF model returns lm_head's rows as its own)
                     for tok, bits in _rows(c.out, lay, is_final).items():
                         self.out_rows[side].setdefault(c.module, {}).setdefault(tok, bits)
                     for tok, bits in _rows(c.inp, lay, False).items():

@@ -347,15 +347,7 @@ def test_declared_finals_and_positions_used_write_what_the_cpu_path_writes(tmp_p
         rec.final(torch.log_softmax(last.float(), -1)[:, 3], rows=rec.last_rows(), kind="logprobs", targets=[3, 3])
         rec.final(out.logits.reshape(-1, out.logits.shape[-1]))  # every cell: rows the root call has already
 
-    for side, dev in (("cpu", False), ("dev", True)):
-        with contextlib.ExitStack() as stack:
-            if dev:
-                stack.enter_context(forced_device_path())
-                stack.enter_context(torch_path(False))
-            rec = stack.enter_context(divtrace.record(m, tmp_path / side, mode="hash"))
-            stack.enter_context(torch.no_grad())
-            run(rec)
-    assert_same_trace(tmp_path / "cpu", tmp_path / "dev")
+    _record_both_paths(m, tmp_path, run)
     lines = [json.loads(x) for x in (tmp_path / "dev" / "tokens.jsonl").read_text().splitlines()]
     assert [x["used"] for x in lines if "P" in x] == [list(range(6)) * 2]
     assert sum(1 for x in lines if x.get("src", "").startswith("final:")) == 2
@@ -369,12 +361,17 @@ def test_an_engines_declared_finals_write_what_the_cpu_path_writes(tmp_path):
     import token_cases as tc
 
     eng = em.Engine.from_hf(tc.llama(), ())
+    _record_both_paths(eng, tmp_path, lambda rec: em.generate(eng, tc.prompts(), 3, rec=rec))
+
+
+def _record_both_paths(model, tmp_path, run):
+    """`run(rec)` recorded on the CPU path (tmp_path/cpu) and the device path (tmp_path/dev): the same files."""
     for side, dev in (("cpu", False), ("dev", True)):
         with contextlib.ExitStack() as stack:
             if dev:
                 stack.enter_context(forced_device_path())
                 stack.enter_context(torch_path(False))
-            rec = stack.enter_context(divtrace.record(eng, tmp_path / side, mode="hash"))
+            rec = stack.enter_context(divtrace.record(model, tmp_path / side, mode="hash"))
             stack.enter_context(torch.no_grad())
-            em.generate(eng, tc.prompts(), 3, rec=rec)
+            run(rec)
     assert_same_trace(tmp_path / "cpu", tmp_path / "dev")

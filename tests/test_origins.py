@@ -363,7 +363,7 @@ def test_a_grpo_group_one_prompt_several_completions_compares_each_continuations
     same = la.shape == lb.shape and torch.equal(la.view(torch.int32), lb.view(torch.int32))
     d = divtrace.bisect(a.path, b.path).to_dict()
     fin = d["final"]
-    assert fin["tokens_compared"] == len(p) + 3 * 2  # every prompt token predicts one; two more per completion
+    assert fin["tokens_compared"] == len(p) - 1 + 3 + 3 * 2  # the prompt predicts its own; its last token 3 completions
     assert fin["identical"] == same and (d["verdict"] == "identical") == same, (same, d["reason"])
     if same:
         assert fin["tokens_differing"] == 0 and fin["not_compared"] == 0

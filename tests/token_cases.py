@@ -57,7 +57,8 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
 
 def rollout(model, path, prompt_ids, new_tokens: int = 4, mode: str = "full", ops: bool = True, **kw):
     """Greedy generation with a KV cache over a left-padded batch, recorded; returns prompt + response per row."""
-    ids, mask = left_padded(prompt_ids)
+    dev = next(model.parameters()).device
+    ids, mask = (x.to(dev) for x in left_padded(prompt_ids))
     with torch.no_grad(), divtrace.record(model, path, mode=mode, ops=ops, label="rollout", **kw):
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=0, eos_token_id=None)
@@ -69,7 +70,7 @@ def trainer(model, path, seqs, micro_batch: int = 2, mode: str = "full", ops: bo
     """Full-sequence forwards of the finished sequences, in right-padded micro-batches, recorded."""
     with torch.no_grad(), divtrace.record(model, path, mode=mode, ops=ops, label="train", **kw):
         for i in range(0, len(seqs), micro_batch):
-            ids, mask = right_padded(seqs[i:i + micro_batch])
+            ids, mask = (x.to(next(model.parameters()).device) for x in right_padded(seqs[i:i + micro_batch]))
             model(input_ids=ids, attention_mask=mask, position_ids=positions(mask))
 
 

@@ -98,11 +98,11 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
 
     final_differ = set(fin.differ)
     absorbed = absorbed_list(sw.absorbed, final_differ)
-    one_sided, gaps = _coverage(sa, sb, shared, views)
+    one_sided, gaps = _coverage(sa, sb, shared, views, fin_a, fin_b)
     loose = {"a": unattributed(sa, fin_a), "b": unattributed(sb, fin_b)}
     tokens = {"shared": len(shared), "only_a": len(sa.where) - len(shared), "only_b": len(sb.where) - len(shared),
               "differing": len(sw.any_differs | final_differ), "final_compared": fin.compared,
-              "final_differing": len(fin.differ), "walked": walked,
+              "final_differing": fin.n_differ, "walked": walked,
               "modules": {label: n for label, n in sorted(sw.module_counts().items(),
                                                            key=lambda kv: sw.module_rows[kv[0]][0])},
               "positions_differ": len(positions), "folded_calls": dict(zip("ab", views.folded())),
@@ -190,13 +190,15 @@ def _pos(sa, k):
     return sa.index.grids[cid].pos[cell]
 
 
-def _coverage(sa, sb, shared, views) -> tuple[dict, list]:
+def _coverage(sa, sb, shared, views, fin_a: dict, fin_b: dict) -> tuple[dict, list]:
     """Tokens only one side fed, beyond the one expected asymmetry (a rollout never feeds back its last sampled
     token, which a trainer recomputes: the last token of a sequence whose predecessor both sides fed), and calls
-    left unpaired that nothing compares."""
+    left unpaired that nothing compares. A side that declares its final values (rec.final) says which rows are
+    its outputs: a token it fed whose logprob it reports nowhere, neither at the token nor at the one before
+    (padding generate feeds after a sequence's end), is outside them."""
     shared_set = set(shared)
     one = {}
-    for side, tok in (("a", sa), ("b", sb)):
+    for side, tok, fin in (("a", sa, fin_a), ("b", sb, fin_b)):
         last: dict = {}
         for k, (cid, cell) in tok.where.items():
             g = tok.index.grids[cid]
@@ -215,6 +217,8 @@ def _coverage(sa, sb, shared, views) -> tuple[dict, list]:
             s, p = g.seq[cell], g.pos[cell]
             if last.get(s, (None, None))[1] == k and prev.get((s, p - 1)) in shared_set:
                 continue  # the last sampled token, recomputed by one side only
+            if tok.declared_final and k not in fin and prev.get((s, p - 1)) not in fin:
+                continue
             extra += 1
         one[side] = extra
     return one, views.unpaired_gaps()

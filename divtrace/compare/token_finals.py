@@ -140,10 +140,13 @@ class Finals:
     not_compared: list = field(default_factory=list)  # (key, why): a derivation that needs values, another target
     derived: set = field(default_factory=set)  # keys compared through DERIVATION
     logprob: dict = field(default_factory=dict)  # key -> (logprob a, logprob b) where derived or declared logprobs
+    # sampled tokens: a key counts once per continuation compared (a GRPO group's shared prompt: one per completion)
+    n_equal: int = 0
+    n_differ: int = 0
 
     @property
     def compared(self) -> int:
-        return len(self.equal) + len(self.differ)
+        return self.n_equal + self.n_differ
 
 
 def compare_finals(sa: TraceTokens, sb: TraceTokens, shared: list, fin_a: dict, fin_b: dict) -> Finals:
@@ -175,10 +178,13 @@ def compare_finals(sa: TraceTokens, sb: TraceTokens, shared: list, fin_a: dict, 
             if one is None or isinstance(one, str):
                 verdict = verdict or one
                 continue
+            if one:
+                out.n_equal += 1
+            else:
+                out.n_differ += 1
+                if verdict != "differ":
+                    fin_a[k], fin_b[k] = xa, xb  # the walk starts from the first pair that differs
             verdict = "differ" if not one else (verdict if verdict == "differ" else "equal")
-            if not one:
-                fin_a[k], fin_b[k] = xa, xb  # the walk starts from the pair that differs
-                break
         if verdict == "differ":
             out.differ.append(k)
         elif verdict == "equal":
@@ -263,7 +269,7 @@ def finals_report(sa, sb, fin: Finals, fin_a: dict, fin_b: dict, describe) -> di
         if first_bad is None or (t["seq"]["number"], t["position"]) < (first_bad["seq"]["number"], first_bad["position"]):
             first_bad = t
     out = {"tensor": tensor, "identical": not fin.differ and fin.compared > 0, "tokens_compared": fin.compared,
-           "tokens_differing": len(fin.differ), "tokens_equal": len(fin.equal),
+           "tokens_differing": fin.n_differ, "tokens_equal": fin.n_equal,
            "only_a": len(fin.only_a), "only_b": len(fin.only_b), "not_compared": len(fin.not_compared),
            "not_compared_why": sorted({w for _, w in fin.not_compared})[:3],
            "derived": bool(fin.derived), "derivation": DERIVATION if fin.derived else None,

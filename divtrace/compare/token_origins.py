@@ -156,7 +156,9 @@ def _walk(walker_for, sa, sb, k, fin_a, fin_b, module_rows) -> Origin | None:
     o.uncompared = walker.uncompared_inputs(d) if d.kind == "op" else []
     if any("cross-token" in u or "no token rows" in u for u in o.uncompared):
         via = _through_attention(walker_for, sa, k, d, module_rows)
-        if via is not None:
+        if isinstance(via, str):  # the other token's rows differ before this module: k's first difference is here
+            o.note = via
+        elif via is not None:
             return via
     return o
 
@@ -172,11 +174,12 @@ def _offset(view, d: Divergence) -> int:
     return (d.index - call.enter_index) if call is not None and d.index is not None else 0
 
 
-def _through_attention(walker_for, sa: TraceTokens, k: int, d: Divergence, module_rows: dict) -> Origin | None:
+def _through_attention(walker_for, sa: TraceTokens, k: int, d: Divergence, module_rows: dict):
     """Where `d` (for token k) parts at an op with an input not compared for k (attention over the other tokens'
     K/V): the earlier tokens of k's sequence whose rows differ inside the same module are where it comes from.
     The earliest such token is walked inside that module (what makes its rows differ, whether or not its own
-    output shows it), and k is counted there."""
+    output shows it), and k is counted there. Where that token's rows differ at the module's inputs already, k's
+    first difference stays k's own op here: a note (str) says so."""
     ra, ca = sa.where[k]
     g = sa.index.grids[ra]
     seq, pos = g.seq[ca], g.pos[ca]
@@ -201,6 +204,9 @@ def _through_attention(walker_for, sa: TraceTokens, k: int, d: Divergence, modul
     if mb is None or not walker.differs(ma, mb):
         return None
     dx = walker.localize(ma, mb)
+    if dx.cause != "origin":  # x's rows differ at the module's inputs already: from an earlier module of x's
+        return (f"reaches the token at position {pos} through attention over the K/V rows of the token at position "
+                f"{px} of its sequence, which differ before this module (from an earlier origin of that token's)")
     o = Origin(dx, x, cells, {k}, order=_order(va, dx, cells[0]), kind=dx.kind, offset=_offset(va, dx),
                note=f"reaches the token at position {pos} through attention over the K/V rows of the token at "
                     f"position {px} of its sequence")
