@@ -95,6 +95,9 @@ def test_hash_mode_and_token_alignment_give_full_modes_origin(runs, name):
             assert (other.first.module, other.first.op, other.first.op_b) == (full.first.module, full.first.op,
                                                                                full.first.op_b)
             assert other.first.shards["why"] == full.first.shards["why"]
+            d = other.to_dict()
+            if d.get("alignment") == "tokens":  # every origin says how each side computed it, as `first` does
+                assert d["origins"][0]["shards"] == d["first"]["shards"] == other.first.shards
 
 
 def test_planted_difference_in_one_ranks_column_block(runs):

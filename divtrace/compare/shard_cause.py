@@ -122,7 +122,12 @@ def replica_warnings(ta, tb) -> list[str]:
 
 def annotate(result, ta, tb) -> None:
     """Fill `shards` on the result's divergences and add the replica findings to its warnings."""
-    for d in [result.first, *getattr(result, "next", []), *getattr(result, "origins_objects", [])]:
+    divs = getattr(result, "origin_divs", None) or []
+    for d in [result.first, *getattr(result, "next", []), *divs]:
         if d is not None and getattr(d, "shards", None) is None:
             d.shards = describe(d, ta, tb)
+    # A token-aligned result's origins are dicts made before this; `first` is one of them, so both say the same.
+    for o, d in zip(getattr(result, "origins", None) or [], divs):
+        if d is not None and isinstance(o, dict):
+            o["shards"] = d.shards
     result.warnings.extend(w for w in replica_warnings(ta, tb) if w not in result.warnings)

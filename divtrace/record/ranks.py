@@ -32,19 +32,37 @@ class RankInfo:
                 "local_rank": int(local) if local and local.isdigit() else None}
 
 
-def current_rank() -> RankInfo | None:
-    """This process's place in an initialized default process group, or None outside one."""
+def current_rank(model=None) -> RankInfo | None:
+    """This process's place in an initialized default process group, or None outside one. A group of one process
+    whose model holds no DTensor is no sharded run: vLLM (and other engines and trainers) initialize a group of one
+    for their single worker, and its recording is a plain trace at the path given. A DTensor model on a one-rank
+    mesh is recorded as a run of one rank (its layouts and collectives are what a user checks there)."""
     try:
         import torch.distributed as dist
     except ImportError:
         return None
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    world = dist.get_world_size()
+    if world == 1 and not _holds_dtensor(model):
+        return None
     try:
         backend = str(dist.get_backend())
     except Exception:
         backend = "?"
-    return RankInfo(dist.get_rank(), dist.get_world_size(), backend)
+    return RankInfo(dist.get_rank(), world, backend)
+
+
+def _holds_dtensor(model) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    params = getattr(model, "parameters", None)
+    buffers = getattr(model, "buffers", None)
+    if params is None:
+        return False
+    return any(isinstance(t, DTensor) for t in params()) or any(isinstance(t, DTensor) for t in buffers())
 
 
 def rank_path(path, info: RankInfo) -> Path:

@@ -55,7 +55,7 @@ class Recorder:
         self.compiled, ops, self._regions = resolve(model, compiled, ops)
         from divtrace.record.ranks import current_rank, rank_path  # a rank of a sharded run: docs/sharded.md
 
-        self.rank = current_rank()
+        self.rank = current_rank(model)
         self.placements = None
         if self.rank is not None:
             path = rank_path(path, self.rank)
