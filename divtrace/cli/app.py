@@ -33,7 +33,8 @@ def _root(
     """Find where an inference run and a training run of the same model first diverge, bit for bit.
 
     Workflow: record each side -> bisect -> repro -> verify a fix. Exit codes: 0 identical (or the fix holds),
-    1 diverged (or still differs), 2 bad input, 3 inconclusive. The interface: docs/contract.md.
+    1 diverged (or still differs), 2 bad input, 3 inconclusive, 4 absorbed (every final output bitwise equal, internal
+    differences that never reach one). The interface: docs/contract.md.
     """
 
 
