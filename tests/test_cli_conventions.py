@@ -151,3 +151,25 @@ def test_map_help_names_the_shipped_maps():
         for p in c.params:
             if "--map" in getattr(p, "opts", ()):
                 assert all(name in p.help for name in shipped), (path, p.help)
+
+
+def test_root_help_names_every_exit_code(capsys, monkeypatch):
+    """`divtrace -h` lists the exit codes; 4 (absorbed) was left out of it."""
+    from divtrace.compare.verdict import ABSORBED, EXIT_CODES, INCONCLUSIVE
+
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["-h"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for words in ("0 identical", "1 diverged", "2 bad input", f"{EXIT_CODES[INCONCLUSIVE]} inconclusive",
+                  f"{EXIT_CODES[ABSORBED]} absorbed"):
+        assert words in out, (words, out)
+
+
+@pytest.mark.parametrize("path", [p for p, _ in COMMANDS], ids=lambda p: " ".join(p) or "divtrace")
+def test_every_help_has_an_example(path, capsys, monkeypatch):
+    """docs/contract.md: every command has --help with an example; `divtrace -h` and `divtrace skill -h` had none."""
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main([*path, "-h"]) == 0
+    out = capsys.readouterr().out
+    examples = out[out.index("Examples:"):] if "Examples:" in out else ""
+    assert re.search(r"^\s+divtrace " + " ".join(path), examples, re.M), out

@@ -7,10 +7,12 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import typer
 
 from divtrace.cli.app import app
 from divtrace.record.entry import load_entry
+from test_trace_fixtures import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SKILL = ROOT / "divtrace" / "skill" / "divtrace"
@@ -74,3 +76,14 @@ def test_entry_folder_is_on_sys_path_only_while_importing(tmp_path):
     fn = load_entry(f"{tmp_path / 'entry_ux.py'}:build")
     assert fn() == 7  # a top-level import of a module next to the file works
     assert sys.path == before and str(tmp_path) not in sys.path  # and the folder is taken off again
+
+
+@pytest.mark.parametrize("entry", [":build", ".entry_ux:build"])
+def test_an_entry_with_no_module_or_a_relative_one_is_the_usage_line(entry, tmp_path):
+    """`:fn` read "ENTRY :fn raised ValueError: Empty module name" (as if the user's function had raised), `.mod:fn`
+    a TypeError about relative imports: neither names a file or a module, so the line says what ENTRY must be."""
+    code, out, err = cli("record", entry, "--out", tmp_path / "t")
+    assert code == 2 and out == "", (code, out)
+    assert err.strip() == (f"divtrace: error: ENTRY {entry!r}: expected path/file.py:function or "
+                           "pkg.module:function"), err
+    assert not (tmp_path / "t").exists()

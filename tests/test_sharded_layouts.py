@@ -162,3 +162,8 @@ def test_a_run_missing_a_rank_says_which(tmp_path, model_and_input):
     assert view.run.missing == [1] and not view.complete and "rank 1 has no trace" in view.status
     r = divtrace.bisect(tmp_path / "run", tmp_path / "one")
     assert r.verdict == "inconclusive" and "rank 1 has no trace" in r.reason
+    # What to do is record the missing rank: rank 0 finished, so "how far it got" and "re-record it to its end"
+    # (a stopped recording's words) do not apply (a new user's report: the line read "stopped after root call 1 of
+    # 1 after 4 of the reference's 4 module calls")
+    assert "record every rank of the run into it (RUN/rank-K, rank 1 included)" in r.reason, r.reason
+    assert "1 of its 2 ranks holds a trace" in r.reason and "stopped" not in r.reason, r.reason

@@ -66,3 +66,7 @@ def test_a_missing_rank_is_inconclusive_naming_it(runs, tmp_path):
     shutil.copytree(root / "tp2" / "before-hash" / "rank-0", run / "rank-0")
     r = divtrace.bisect(str(run), str(root / "tp1" / "hash"))
     assert r.verdict == "inconclusive" and "rank 1 has no trace" in r.reason, r.to_dict()
+    assert "record every rank of the run into it" in r.reason, r.reason
+    # Nothing of a TP=2 run can be put together from rank 0 alone, but its calls pair with the one process's: none
+    # is counted as "only in a" (every call of both sides was, before)
+    assert r.coverage.only_a == 0, r.coverage

@@ -33,7 +33,14 @@ def _root(
     """Find where an inference run and a training run of the same model first diverge, bit for bit.
 
     Workflow: record each side -> bisect -> repro -> verify a fix. Exit codes: 0 identical (or the fix holds),
-    1 diverged (or still differs), 2 bad input, 3 inconclusive. The interface: docs/contract.md.
+    1 diverged (or still differs), 2 bad input, 3 inconclusive, 4 absorbed (every final output bitwise equal, internal
+    differences that never reach one). The interface: docs/contract.md.
+
+    \b
+    Examples:
+      divtrace record examples/llama_pair.py:training --out runs/train --arg dtype=bf16
+      divtrace bisect runs/train runs/infer
+      divtrace bisect -h
     """
 
 
@@ -79,6 +86,7 @@ def _register() -> None:
     if skill is not None:
         for info in skill.app.registered_commands:
             info.help = reflow(info.help or info.callback.__doc__)
+        skill.app.info.help = reflow(skill.app.info.help)
         app.add_typer(skill.app, name="skill")
 
 

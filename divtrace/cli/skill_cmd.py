@@ -11,7 +11,13 @@ from divtrace.cli.output import Output
 from divtrace.errors import DivtraceError
 
 app = typer.Typer(name="skill", no_args_is_help=True, add_completion=False, rich_markup_mode=None,
-                  help="The divtrace agent skill: install it for coding agents, or print where it lives.")
+                  help="""The divtrace agent skill: install it for coding agents, or print where it lives.
+
+                  \b
+                  Examples:
+                    divtrace skill install
+                    divtrace skill path
+                  """)
 
 NAME = "divtrace"
 DEFAULT_DIRS = (Path(".claude") / "skills", Path(".agents") / "skills")

@@ -52,19 +52,20 @@ def _top_pairs(ta: Trace, pairing: Pairing):
             yield ca, cb
 
 
-def _nothing_to_compare(ta: Trace, tb: Trace) -> BisectResult:
+def _nothing_to_compare(ta: Trace, tb: Trace, unmatched: dict | None = None) -> BisectResult:
     """The verdict when a trace stopped before anything could be compared (before its first module call was
-    written, say): inconclusive, saying why."""
+    written, say): inconclusive, saying why. `unmatched`: the calls the pairing left without a partner, where
+    the calls were paired (else every call counts as unpaired)."""
+    unmatched = unmatched or {"a": len(ta.calls), "b": len(tb.calls)}
     v = decide(origin_found=False, within_tolerance=False, final_compared=False, final_equal=None,
-               a=trace_seen(ta, "a", tb), b=trace_seen(tb, "b", ta), calls_compared=0, only_a=len(ta.calls),
-               only_b=len(tb.calls), final_note="nothing was compared")
+               a=trace_seen(ta, "a", tb), b=trace_seen(tb, "b", ta), calls_compared=0, only_a=unmatched["a"],
+               only_b=unmatched["b"], final_note="nothing was compared")
     assert v.verdict == INCONCLUSIVE, v  # only an incomplete trace gets here
     return BisectResult(
         verdict=v.verdict, reason=v.reason, coverage=v.coverage, compared=0, first=None, next=[], settings=[],
         final=None, labels=(ta.label, tb.label), paths=(str(ta.path), str(tb.path)),
         metrics_available=ta.mode == "full" and tb.mode == "full", complete=(ta.complete, tb.complete),
-        unmatched={"a": len(ta.calls), "b": len(tb.calls)},
-        warnings=[w for t in (ta, tb) for w in getattr(t, "warnings", [])])
+        unmatched=unmatched, warnings=[w for t in (ta, tb) for w in getattr(t, "warnings", [])])
 
 
 def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = None, n_next: int = 5,
@@ -188,7 +189,7 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
         warnings.append("the call trees of the two traces do not nest the same way; the first divergence is the "
                         "earliest differing call, not localized further")
     if not cmp.compared and not (ta.complete and tb.complete):
-        return _nothing_to_compare(ta, tb)  # a recording that stopped before any tensor pair could be compared
+        return _nothing_to_compare(ta, tb, pairing.unmatched())  # stopped before any tensor pair was compared
     if not cmp.compared:
         # "identical" over no pair at all would be a claim about nothing (every tensor skipped when recording,
         # meta tensors, say): refuse rather than pass.

@@ -22,9 +22,20 @@ def settings_diff(a: dict, b: dict) -> list[dict]:
 
 def trace_seen(t: Trace, side: str, other: Trace) -> TraceSeen:
     """What the verdict rule needs to know of trace `t` (the other trace measures how far it got)."""
-    return TraceSeen(side, str(t.path), t.complete, getattr(t, "status", t.meta.get("status", "?")),
+    run = t.meta.get("run") if isinstance(t.meta.get("run"), dict) else {}
+    missing = [r for r in run.get("missing") or [] if isinstance(r, int)]
+    status = getattr(t, "status", t.meta.get("status", "?"))
+    if t.complete:
+        how_far = None
+    elif missing and "stopped (" not in status:  # every rank there finished: how far it got is not the question
+        held = len(run.get("ranks") or [])
+        how_far = (f"{held} of its {run.get('world_size')} ranks {'holds' if held == 1 else 'hold'} a trace, so no "
+                   "value that needs the missing ranks' blocks was compared")
+    else:
+        how_far = progress(t, other)
+    return TraceSeen(side, str(t.path), t.complete, status,
                      t.meta.get("error") if isinstance(t.meta.get("error"), str) else None,
-                     None if t.complete else progress(t, other), unseen_of(t.meta))
+                     how_far, unseen_of(t.meta), missing)
 
 
 @dataclass

@@ -47,6 +47,7 @@ class TraceSeen:
     error: str | None = None  # meta.json's error, when the recording stopped on one
     progress: str | None = None  # how far an incomplete trace got, in words (`progress()`)
     unseen: list[str] = field(default_factory=list)  # meta.json "unseen": what ran without divtrace seeing it
+    missing_ranks: list[int] = field(default_factory=list)  # a run directory's ranks with no trace folder
 
 
 @dataclass
@@ -175,8 +176,13 @@ def decide(*, origin_found: bool, within_tolerance: bool, final_compared: bool, 
         return Verdict(DIVERGED, reason, cov, EXIT_CODES[DIVERGED])
     why = []
     for t in incomplete:
-        why.append(f"{_incomplete(t)}, and no divergence was found before it stopped; re-record it to its end (a "
-                   "run that finishes closes its trace as complete) and compare again")
+        stopped = not t.missing_ranks or "stopped (" in t.status  # a run directory may only miss a rank's folder
+        todo = [f"record every rank of the run into it (RUN/rank-K, rank {', '.join(map(str, t.missing_ranks))} "
+                "included)"] if t.missing_ranks else []
+        todo += ["re-record it to its end (a run that finishes closes its trace as complete)"] if stopped else []
+        why.append(f"{_incomplete(t)}, and no divergence was found "
+                   f"{'before it stopped' if stopped else 'in what could be compared'}; {' and '.join(todo)} and "
+                   "compare again")
     for t in (a, b):
         if t.unseen:
             why.append(f"trace {t.path} ran computation divtrace did not see ({'; '.join(t.unseen)}): what was "

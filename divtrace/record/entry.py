@@ -69,6 +69,8 @@ def _import(target: str, entry: str, what: str):
         finally:
             sys.path.remove(str(path.resolve().parent))
         return module
+    if not target or target.startswith("."):  # `:fn`, `.mod:fn`: neither a file nor an absolute module name
+        raise DivtraceError(f"{what} {entry!r}: expected path/file.py:function or pkg.module:function")
     try:
         return importlib.import_module(target)
     except ImportError as e:
