@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from sharded_cases import bits_equal, capture
+from sharded_cases import capture, unshard_tp
 
 VOCAB, HIDDEN, FFN, LAYERS = 48, 32, 64, 2
 IDS = [[1, 5, 9, 3, 7, 2, 11, 4], [8, 6, 2, 14, 3, 9, 1, 12]]
@@ -81,26 +81,8 @@ def unshard(caps):
     """The global values of a TP rank's captures: fc1's output, act's input and output and fc2's input are column
     blocks of the last dim (gathered and concatenated); fc2's output is a partial sum (no global value of its own:
     None); everything else must be the same on every rank."""
-    import torch
-    import torch.distributed as dist
-
-    out = {}
-    for path in sorted(caps):
-        leaf = path.rsplit(".", 1)[-1]
-        got = []
-        for i, t in enumerate(caps[path]):
-            if t is None or (leaf == "fc2" and i == 1):
-                got.append(None)
-                continue
-            parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, t.contiguous())
-            if (leaf == "fc1" and i == 1) or leaf == "act" or (leaf == "fc2" and i == 0):
-                got.append(torch.cat(parts, dim=-1))
-            else:
-                assert all(bits_equal(parts[0], p) for p in parts), f"{path}: replicas differ in the ground truth"
-                got.append(parts[0])
-        out[path] = tuple(got)
-    return out
+    return unshard_tp(caps, is_block=lambda leaf, i: (leaf == "fc1" and i == 1) or leaf == "act"
+                      or (leaf == "fc2" and i == 0), is_partial=lambda leaf, i: leaf == "fc2" and i == 1)
 
 
 def worker(rank, world, root, cases, layouts):
