@@ -66,6 +66,8 @@ def test_no_planted_difference_gives_what_the_hooks_show(runs, decl):
 @pytest.mark.gloo
 @pytest.mark.parametrize("decl", list(DECLS))
 def test_planted_difference_in_one_ranks_column_block(runs, decl):
+    """Found at fc1, in rank 1's block: by calls in full and hash mode, and by tokens in hash mode (the blocks' row
+    partials summed)."""
     root, truth, singles = runs
     assert _expected(truth[decl], singles, "plant-full") == "layers.0.fc1"
     g, _ = truth[decl]["plant-full"]
@@ -74,7 +76,9 @@ def test_planted_difference_in_one_ranks_column_block(runs, decl):
     half = FFN // 2
     assert bits_equal(out_a[..., :half], out_b[..., :half]) and not bits_equal(out_a[..., half:], out_b[..., half:])
     full, hashed = _bisect(root, decl, "plant-full"), _bisect(root, decl, "plant-hash")
-    for r in (full, hashed):
+    tokens = divtrace.bisect(str(root / decl / "plant-hash"), str(root / "tp1" / "plant-hash"), align="tokens")
+    assert tokens.to_dict()["alignment"] == "tokens"
+    for r in (full, hashed, tokens):
         assert r.verdict == "diverged" and r.first.module == "layers.0.fc1", r.to_dict()["first"]
         if decl == "all":  # the weights declared too: the rules carry blocks through every op of fc1
             assert r.first.op == r.first.op_b == "aten.mul.Tensor"  # the planted op, not the matmul before it
@@ -97,6 +101,8 @@ def test_declared_layouts_are_written_with_their_source(runs):
 
     mods = [x for x in read("modules") if x.get("src") == "declared"]
     assert {x["why"] for x in mods} == {"S(-1)@tp", "P@tp", "R@tp"}
+    fc1 = [x for x in mods if x["why"] == "S(-1)@tp"]  # each layer's fc1 output: its rows as partials (rp)
+    assert len(fc1) == 2 and all(x.get("rp") == 1 and x["p"] == ["S2"] for x in fc1), fc1
     fc2 = next(x for x in mods if x["why"] == "P@tp")
     assert fc2["p"] == ["P"] and "h" not in fc2  # a partial sum: no partial fingerprint, held back
     declared = [x for x in read("all") if x.get("src") == "declared"]

@@ -144,6 +144,16 @@ class Placements:
             return None
         return self._declared_lay(d[1][side], t, f"{d[0]} ({'output' if side == 'out' else 'input'})")
 
+    def defer_rows(self, stack, t) -> bool:
+        """Whether value `t`, made now with no layout, waits for its module's exit for its token rows: the
+        innermost open call's module declares a block as its output (token_rows.TokenRows.defer_rows). A value
+        that is not the output then has no rows (it has no layout: each rank's own, or replicated and compared
+        whole)."""
+        if id(t) in self.pending:
+            return False
+        d = self.declared.modules.get(id(stack[-1].module)) if stack else None
+        return d is not None and "out" in d[1] and d[1]["out"].kind == "S"
+
     def _style_lay(self, module, side: str, t) -> Lay | None:
         st = self._styles.get(id(module))
         if st is None or not isinstance(t, torch.Tensor) or t.dim() == 0:
