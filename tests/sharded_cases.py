@@ -72,10 +72,15 @@ def capture(model, ids):
     return caps, order
 
 
-def unshard_tp(caps):
-    """The global values of a TP rank's captures: colwise outputs, rowwise inputs and the MLP's activation between
-    them are column blocks of the last dim (gathered from every rank and concatenated), everything else must be the
-    same on every rank."""
+def _hf_block(leaf: str, i: int) -> bool:
+    return (leaf in COLWISE and i == 1) or (leaf in ROWWISE and i == 0) or leaf == "act_fn"
+
+
+def unshard_tp(caps, is_block=_hf_block, is_partial=lambda leaf, i: False):
+    """The global values of a TP rank's captures: where `is_block(leaf, i)` (i: 0 the input, 1 the output; by
+    default HF's colwise outputs, rowwise inputs and the MLP's activation between them) column blocks of the last
+    dim (gathered from every rank and concatenated); where `is_partial`, a partial sum (None: no global value of its
+    own); everything else must be the same on every rank."""
     import torch
     import torch.distributed as dist
 
@@ -85,13 +90,12 @@ def unshard_tp(caps):
         leaf = path.rsplit(".", 1)[-1]
         got = []
         for i, t in enumerate((x, y)):
-            if t is None:
+            if t is None or is_partial(leaf, i):
                 got.append(None)
                 continue
             parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
             dist.all_gather(parts, t.contiguous())
-            blocks = (leaf in COLWISE and i == 1) or (leaf in ROWWISE and i == 0) or leaf == "act_fn"
-            if blocks:
+            if is_block(leaf, i):
                 got.append(torch.cat(parts, dim=-1))
             else:
                 assert all(bits_equal(parts[0], p) for p in parts), f"{path}: replicas differ in the ground truth"

@@ -64,13 +64,53 @@ def _side_text(t, region: list, vid) -> str:
         k = _contraction(base, mm[0][0])
         return f"one matmul over K={k}" if k is not None else "one matmul"
     if colls:
+        # a reduction of partial sums a submodule made (Megatron's RowParallelLinear: fc2, then all_reduce)
+        ins = base.rin[colls[0][0]] or ()
+        j = _matmul_behind(base, ins[0]) if ins and hasattr(base, "run") else None
+        vp = _plan(base, ins[0]) if j is not None else None
+        if vp is None or vp.layout is None or not vp.layout[0] or not vp.layout[0][0].startswith("P"):
+            vp = _plan(base, base.rout[j][0]) if j is not None and base.rout[j] else None
+        if vp is not None and vp.layout is not None and vp.layout[0] and vp.layout[0][0].startswith("P"):
+            return f"{len(vp.layout[1])} partial matmuls{_in_module(base, j)} summed by {colls[0][1].kind}"
         return f"{colls[0][1].kind} over {len(colls)} collective(s)"
+    if not ops:  # the value is a submodule's output: the matmul that made it, if one did
+        j = _matmul_behind(base, vid)
+        if j is not None:
+            k = _contraction(base, j)
+            return (f"one matmul over K={k}" if k is not None else "one matmul") + _in_module(base, j)
     text = ", ".join(n for _, n in ops[:4]) or "no op (the value came from outside)"
     vp = _plan(base, vid) if hasattr(base, "run") else None
     if vp is not None and vp.kind == "blocks" and vp.layout is not None:
         dims = sorted({int(p[1:]) for p in vp.layout[0] if p.startswith("S")})
         text += f" on {len(vp.blocks)} blocks of dim {', '.join(map(str, dims))}, one per rank"
     return text
+
+
+_PASS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "clone", "contiguous", "alias", "detach"}
+
+
+def _matmul_behind(t, vid, steps: int = 4) -> int | None:
+    """The record index of the matmul that made value `vid`, through up to `steps` views and copies; None if none."""
+    for _ in range(steps):
+        i = t.vprod.get(vid) if vid is not None else None
+        if i is None:
+            return None
+        name = _base(t.rop[i])
+        if name in _MATMULS:
+            return i
+        if name not in _PASS or not t.rin[i]:
+            return None
+        vid = t.rin[i][0]
+    return None
+
+
+def _in_module(t, i: int) -> str:
+    """" (in fc2)": the leaf name of the module whose call holds record `i`, where the trace says."""
+    try:
+        path = t.calls[t.rcall[i]].module
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return ""
+    return f" (in {path.rsplit('.', 1)[-1]})" if path else ""
 
 
 def _block_of(t, vid, diff) -> str | None:
@@ -99,7 +139,8 @@ def describe(d, ta, tb) -> dict | None:
     if not any(sharded):
         return None
     out = {}
-    module = (d.module or "<root>").rsplit(".", 1)[-1]
+    parts = (d.module or "<root>").split(".")
+    module = ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]  # (a layer's index says little alone)
     for side, t, region, vid in (("a", ta, d.region_a, d.vid_a), ("b", tb, d.region_b, d.vid_b)):
         out[side] = _side_text(t, region, vid)
         vp = _plan(getattr(t, "trace", t), vid)

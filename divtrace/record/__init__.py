@@ -15,7 +15,7 @@ __all__ = ["record"]
 
 def record(model, path, *, mode="full", ops=None, label=None, include=None, exclude=None, overwrite=False,
            shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False, tokens=True,
-           token_layouts=None, compiled=None) -> Recorder:
+           token_layouts=None, compiled=None, layouts=None, mesh=None) -> Recorder:
     """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
     `model` is a `torch.nn.Module`, or a `vllm.LLM` (in-process, eager: see divtrace/record/engines/vllm.py).
 
@@ -39,6 +39,11 @@ def record(model, path, *, mode="full", ops=None, label=None, include=None, excl
     Sharded runs: inside an initialized `torch.distributed` process group, `path` is a run directory and this
     process records into `path/rank-K` (K its global rank), with each value's place in its global value (DTensor
     placements, TP styles, collectives; docs/sharded.md). Every command that takes a trace takes the run directory.
+    Plain tensors of a hand-sharded model (Megatron's column- and row-parallel layers) get theirs declared:
+    `layouts={module path or parameter name regex: spec}` with specs such as "S(-1)@tp" (a block of the last dim),
+    "P@tp" (a partial sum), "R@tp" (replicated), over the process groups `mesh={"tp": group}` names (default: the
+    whole world, as "world"); a dict {"output": spec, "input": spec} declares a module's first input too
+    (divtrace/record/declared.py). Outside a process group they are checked and ignored.
 
     Example::
 
@@ -51,7 +56,7 @@ def record(model, path, *, mode="full", ops=None, label=None, include=None, excl
 
     kwargs = dict(mode=mode, ops=ops, label=label, include=include, exclude=exclude, overwrite=overwrite,
                   shard_bytes=shard_bytes, extra_meta=extra_meta, flush_records=flush_records, durable=durable,
-                  tokens=tokens, token_layouts=token_layouts, compiled=compiled)
+                  tokens=tokens, token_layouts=token_layouts, compiled=compiled, layouts=layouts, mesh=mesh)
     if not isinstance(model, torch.nn.Module):  # an inference engine (a vllm.LLM): its adapter, if there is one
         from divtrace.record.engines import engine_recorder
 

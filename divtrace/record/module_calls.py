@@ -273,6 +273,8 @@ class ModuleCalls:
                         pl.before_value(t0, t, frame.module, "out", key)
                     vid = self._vid_of(t, values, boundary=True, root_output=root)
                     if pl is not None:
+                        if vid in tokens.deferred:  # (a declared output: its rows as its layout's partials)
+                            tokens.declared_rows(vid, t)
                         pl.after_value(t, vid)
                     if root and (vid not in tokens.rowed or vid in tokens.unrowed):
                         # made by an op before it was known to be the output (the logits of generate's prefill,

@@ -4,6 +4,7 @@ A value's layout (record/shard_rules.Lay) comes, in this order, from:
 - a DTensor: its placements and mesh (op arguments and results, module inputs and outputs);
 - a DTensor parameter: the local tensor that HF's TP inference path (and any code calling `to_local()`) runs on,
   found by its storage;
+- a declared layout (record's `layouts=`: record/declared.py) of a module's input or output, or a parameter;
 - a tensor-parallel style at a module boundary (`ColwiseParallel`: input replicated, output a block of its last
   dim; `RowwiseParallel`: input a block of its last dim, output replicated), HF's or torch's `parallelize_module`;
 - a collective's result (record/collectives.py);
@@ -52,8 +53,9 @@ def _placement_code(p, ndim: int) -> str | None:
 class Placements:
     """The layouts of one rank's recording (one per Recorder inside a process group)."""
 
-    def __init__(self, model, writer, warnings_out: list):
+    def __init__(self, model, writer, warnings_out: list, declared=None):
         self.model = model
+        self.declared = declared  # record/declared.Declared, or None
         self.warnings = warnings_out
         self.out = LayoutWriter(writer)  # (written with the trace's records: trace/side_files.py)
         self.by_vid: dict[int, Lay] = {}
@@ -119,6 +121,9 @@ class Placements:
                 lay = self.dtensor_lay(p, "param")
                 if lay is not None:
                     self._params[_storage_key(p._local_tensor)] = lay._replace(why=name)
+        if self.declared is not None:
+            for name, p, spec in self.declared.params:
+                self._params[_storage_key(p.detach())] = self._declared_lay(spec, p, name)
         for path, m in model.named_modules():
             style = _style_of(m)
             if style is not None:
@@ -127,6 +132,27 @@ class Placements:
                     self._styles[id(m)] = (kind, self.mesh_id(mesh), in_lay, out_lay, mesh)
                 except Exception:
                     continue
+
+    def _declared_lay(self, spec, t, where: str) -> Lay:
+        group, placements, gshape, offsets = self.declared.lay(spec, t, where)
+        mid = self._add_mesh([len(group.ranks)], [group.name], list(group.ranks), group=group.name)
+        return Lay(mid, placements, gshape, offsets, "declared", spec.text)
+
+    def _module_declared(self, module, side: str, t) -> Lay | None:
+        d = self.declared.modules.get(id(module))
+        if d is None or side not in d[1] or not isinstance(t, torch.Tensor):
+            return None
+        return self._declared_lay(d[1][side], t, f"{d[0]} ({'output' if side == 'out' else 'input'})")
+
+    def defer_rows(self, stack, t) -> bool:
+        """Whether value `t`, made now with no layout, waits for its module's exit for its token rows: the
+        innermost open call's module declares a block as its output (token_rows.TokenRows.defer_rows). A value
+        that is not the output then has no rows (it has no layout: each rank's own, or replicated and compared
+        whole)."""
+        if id(t) in self.pending:
+            return False
+        d = self.declared.modules.get(id(stack[-1].module)) if stack else None
+        return d is not None and "out" in d[1] and d[1]["out"].kind == "S"
 
     def _style_lay(self, module, side: str, t) -> Lay | None:
         st = self._styles.get(id(module))
@@ -156,8 +182,11 @@ class Placements:
         """A module's input or output is about to get its value id: note its layout, if it has one (a style
         speaks of the module's first input and its output only)."""
         lay = self.dtensor_lay(t) if t is not plain else None
-        if lay is None and module is not None and key in ("args.0", "out"):
-            lay = self._style_lay(module, side, plain)
+        if lay is None and module is not None and key in ("args.0", "out", "out.0"):
+            if self.declared is not None:
+                lay = self._module_declared(module, side, plain)
+            if lay is None and key != "out.0":
+                lay = self._style_lay(module, side, plain)
         if lay is None and self._params:
             lay = self._params.get(_storage_key(plain))
         if lay is not None:

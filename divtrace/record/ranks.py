@@ -83,10 +83,13 @@ def attach(recorder, info: RankInfo):
     from divtrace.record.collectives import Collectives
     from divtrace.record.placements import Placements
 
-    pl = Placements(recorder.model, recorder.writer, recorder.warnings)
+    pl = Placements(recorder.model, recorder.writer, recorder.warnings,
+                    recorder.declared_layouts)
     recorder.calls.placements = recorder.op_records.placements = pl
     recorder.op_records.collectives = Collectives(pl, info.rank)
     recorder.token_rows.shard_rows = pl.shard_rows
+    if pl.declared is not None and pl.declared.modules:
+        recorder.token_rows.defer_rows = pl.defer_rows
     # The objects that exist when the block starts (the model, torch.distributed's and DTensor's machinery: some
     # 400k on an HF TP rank) are left out of garbage collection until it ends: a TP forward's own allocations
     # made each collection walk them, and recording adds allocations (a TP rank's hash recording: 0.86 s against

@@ -45,7 +45,7 @@ class Recorder:
 
     def __init__(self, model, path, *, mode="full", ops=None, label=None, include=None, exclude=None,
                  overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False,
-                 tokens=True, token_layouts=None, compiled=None):
+                 tokens=True, token_layouts=None, compiled=None, layouts=None, mesh=None):
         if not isinstance(model, torch.nn.Module):
             raise DivtraceError(f"record() needs a torch.nn.Module (or a vllm.LLM), got {type(model).__name__}")
         if mode not in ("full", "hash"):
@@ -59,6 +59,15 @@ class Recorder:
         self.placements = None
         if self.rank is not None:
             path = rank_path(path, self.rank)
+        self.declared_layouts = None  # layouts of plain tensors the user declared (record/declared.py)
+        ignored = False
+        if layouts or mesh is not None:
+            from divtrace.record.declared import Declared, check_outside
+
+            if self.rank is not None:
+                self.declared_layouts = Declared(model, layouts or {}, mesh, self.rank.rank)
+            else:
+                ignored = check_outside(layouts or {}, mesh)
         self._session = None
         self.model, self.path, self.mode, self.ops, self.label = model, path, mode, ops, label
         include_re, exclude_re = compile_filters(include, exclude)
@@ -67,6 +76,8 @@ class Recorder:
         self._durable = durable
         self._extra_meta = dict(extra_meta or {})
         self.warnings: list[str] = []
+        if ignored:
+            self.warnings.append("declared layouts ignored: not inside a torch.distributed process group")
         self.writer: TraceWriter | None = None
         self._signals = SignalHandlers()
         # The parts, one per job (see the module docstring); they share the stack of open module calls.

@@ -53,6 +53,10 @@ class TokenRows:
         self._layout_grid = None  # the grid _layouts holds the inferred layouts of: (shape, root output) -> code
         self._layouts: dict = {}
         self.shard_rows = None  # a rank of a sharded run: rows of a value's block as partials (record/placements.py)
+        # a rank with declared module outputs: whether a value made now waits for its module's exit for its rows
+        # (its layout, and so its rows' partials, come with the declaration there)
+        self.defer_rows = None
+        self.deferred: set[int] = set()
 
     def open(self, writer) -> None:
         self.store = TokenStoreWriter(writer.files)
@@ -76,9 +80,16 @@ class TokenRows:
         self.grid = None
         self.rowed.clear()
         self.unrowed.clear()
+        self.deferred.clear()
         self.store.end_call()  # (written with the records: a failed write stops the recording, trace/writer.py)
 
-    def rows(self, vid: int, t: torch.Tensor, root_output: bool = False, alias=None) -> None:
+    def declared_rows(self, vid: int, t: torch.Tensor) -> None:
+        """The rows of a declared module's output whose rows waited for its layout (`defer_rows`)."""
+        self.deferred.discard(vid)
+        if self.grid is not None:
+            self.rows(vid, t, defer=False)
+
+    def rows(self, vid: int, t: torch.Tensor, root_output: bool = False, alias=None, defer: bool = True) -> None:
         """Fingerprint each token row of a value made in the current root call (see divtrace.trace.token_layout). A
         view whose rows hold the same bytes as its source's rows (`alias`: a reshape of a row-major layout, or the
         [B, T, H, d] <-> [B, H, T, d] transpose) points at the source's fingerprints instead of hashing again."""
@@ -108,6 +119,9 @@ class TokenRows:
             hashes = self.shard_rows(t, code)
             if hashes is not None:
                 self.store.add_rows(vid, g.call_id, code, hashes)
+                return
+            if defer and self.defer_rows is not None and not root_output and self.defer_rows(self._stack, t):
+                self.deferred.add(vid)
                 return
         if alias is not None:
             ref = self.store.current.get(alias[0])

@@ -13,7 +13,8 @@ docs/sharded.md); read by divtrace.trace.run and unsharded by divtrace.align.sha
   at its global offsets (docs/trace-format.md, "Fingerprint schemes"): the partials of the pieces sum to the
   global value's fingerprint. `rp` says the value's token rows in rows.bin are partials of the global rows too.
   `src`: `dtensor` (a DTensor's placements), `param` (a DTensor parameter's local tensor), `style` (a
-  tensor-parallel style at a module boundary: `why` names it), `collective` (a collective's result), `rule`
+  tensor-parallel style at a module boundary: `why` names it), `declared` (record's `layouts=`, a plain tensor's
+  declared layout: `why` is the spec), `collective` (a collective's result), `rule`
   (carried through a plain op from its inputs' layouts: `why` names the rule);
 - `{"c": record index, "kind": "all_reduce", "group": name, "M": mesh, "seq": n, "op": "sum"}`: a collective op
   record: its kind, the group it ran on (as a mesh), and its place among the collectives this rank ran on that

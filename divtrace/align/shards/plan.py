@@ -46,6 +46,7 @@ class ValuePlan:
     rows: list | None = None  # (rank, vid) whose token rows sum to the global rows ("blocks" with row partials)
     note: str | None = None  # what a reader should know (a replica that differs, a missing block)
     layout: tuple | None = None  # (placements, mesh ranks, src, why) of the representative's layout
+    real: tuple | None = None  # a derived view's blocks: the key of their bytes (the partials' sum; `key` is derived)
 
 
 @dataclass
@@ -116,7 +117,7 @@ def _tp_involved(layouts) -> bool:
     """Whether a rank's layouts show tensor parallelism over its activations (partial sums, a style's blocks, a
     matmul's or attention's blocks), as opposed to only gathering whole parameters (FSDP)."""
     for lay in layouts.values.values():
-        if lay.pending or (lay.sharded and (lay.src == "style" or (lay.src == "rule" and lay.why in _COMPUTE_RULES))):
+        if lay.pending or (lay.sharded and (lay.src in ("style", "declared") or (lay.src == "rule" and lay.why in _COMPUTE_RULES))):
             return True
     return False
 
@@ -184,6 +185,8 @@ class Planner:
             vp = self._by_layout(g, vid, lay, i) if lay is not None else None
             if vp is None:
                 vp = self._plain(g, vid)
+            elif vp.kind == "blocks" and vid in t0.vderived:
+                vp = _derived_blocks(t0, g, vid, vp)
             g.values[vid] = vp
 
     def _mesh_ranks(self, r0: int, mesh_id: int):
@@ -279,6 +282,23 @@ class Planner:
             return ValuePlan(key0, "whole", tuple(key0[1]))
         return ValuePlan(RankLocal((key0[0], key0[1], ("local",) + tuple(keys))), "local",
                          note="each rank holds its own piece, and no layout says how they make the whole")
+
+
+def _derived_blocks(t0, g: Group, vid: int, vp: ValuePlan) -> ValuePlan:
+    """Blocks of a view that each rank derived (a weight block's `t()`): keyed as a one-process trace keys that view
+    of the global input (its fingerprint derived from the op and the input's), so the two compare; the blocks'
+    partials stay the key of the bytes (`real`). Only where the op reorders (t, transpose, permute): arguments that
+    hold sizes name local ones."""
+    from divtrace.trace.derived_views import REORDERING, view_fingerprint
+
+    rec = t0.records[t0.vprod[vid]]
+    src = g.values.get(rec.inputs[0]) if len(set(rec.inputs)) == 1 else None
+    if (rec.op.split(".")[1] not in REORDERING or src is None or src.kind == "local"
+            or type(src.key[2]) is not str):
+        return vp
+    key = (vp.key[0], vp.key[1], view_fingerprint(rec.op, src.key[2], src.key[0], list(src.key[1]), list(vp.key[1]),
+                                                  rec.args, rec.kwargs))
+    return ValuePlan(key, vp.kind, vp.gshape, vp.blocks, vp.rows, vp.note, vp.layout, real=vp.key)
 
 
 def build_plan(run) -> tuple[list[Group], list[str], Planner]:

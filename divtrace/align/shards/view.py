@@ -135,7 +135,7 @@ class RunView(Trace):
             self.calls, self.rcall, self.rop, self.rin, self.rout = t.calls, t.rcall, t.rop, t.rin, t.rout
             self.vprod, self.vsrc = t.vprod, t.vsrc
             self.vkey = {v: vp.key for v, vp in segs[0].group.values.items()}
-            self.vderived = {v for v in t.vderived if segs[0].group.values[v].kind != "blocks"}
+            self.vderived = {v for v in t.vderived if _derived(segs[0].group.values[v])}
             return
         self.calls, self.rcall, self.rop, self.rin, self.rout = {}, [], [], [], []
         self.vprod, self.vsrc, self.vkey, self.vderived = {}, {}, {}, set()
@@ -149,7 +149,7 @@ class RunView(Trace):
             self.vprod.update((v + vb, i + ib) for v, i in t.vprod.items())
             self.vsrc.update((v + vb, i + ib) for v, i in t.vsrc.items())
             self.vkey.update((v + vb, vp.key) for v, vp in s.group.values.items())
-            self.vderived.update(v + vb for v in t.vderived if s.group.values[v].kind != "blocks")
+            self.vderived.update(v + vb for v in t.vderived if _derived(s.group.values[v]))
             mine: dict[str, int] = {}
             for cid in sorted(t.calls):
                 c = t.calls[cid]
@@ -236,6 +236,8 @@ class RunView(Trace):
 
     def real_key(self, vid: int) -> tuple:
         s, v, vp = self.plan_of(vid)
+        if vp.real is not None:
+            return vp.real
         if vp.kind != "whole" or v not in s.trace.vderived:
             return self.vkey[vid]
         return s.trace.real_key(v)
@@ -264,6 +266,11 @@ class RunView(Trace):
 
     def check_meta(self) -> None:  # each rank's trace was checked when it was opened
         return None
+
+
+def _derived(vp) -> bool:
+    """Whether a value keyed by a derived view fingerprint: a rank's own view, or blocks keyed as one (plan.real)."""
+    return vp.kind != "blocks" or vp.real is not None
 
 
 def raise_if_unpairable(a, b) -> None:
