@@ -63,7 +63,7 @@ import divtrace
 sys.path.insert(0, sys.argv[1])
 from entry import build
 
-model, inputs = build(pause=0.01)
+model, inputs = build(pause=0.05)  # 60 steps: 3 s or more, so that the kills land inside the recordings on a loaded machine
 children = []
 for spec in sys.argv[2:]:
     out, mode = spec.split(",")
