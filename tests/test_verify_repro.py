@@ -92,7 +92,9 @@ def test_a_patch_written_differently_that_runs_the_same_kernels_reads_about_100_
     (_, _, vs_b), (_, against, vs_a) = kernel_ratios(k, "b")
     assert against == "side a" and 75 <= vs_a <= 133, (vs_a, per, k["noise_band_pct"])
     lo, hi = k["noise_band_pct"]
-    assert lo <= 100 <= hi or hi - lo < 5  # side a against itself straddles 100% (unless the band is razor-thin)
+    # side a against itself: a band around 100%. How wide, and whether it straddles 100 exactly, is the machine's
+    # timing (a loaded CI machine gave 90.3-99.98%): only that it is a band near 100 is asserted
+    assert lo <= hi and lo <= 110 and hi >= 90, (lo, hi)
 
 
 def test_a_crash_is_exit_2_and_verify_says_error_not_still_differs(generated, tmp_path, capsys):
