@@ -18,6 +18,9 @@ CASES = [  # (global shape, dtype, mesh placements as shard dims; None = Replica
 ]
 
 
+
+pytestmark = pytest.mark.gloo  # multi-process (gloo, 2 ranks): .ci/run's stage of their own
+
 def _worker(rank: int, world: int, port: int, errors):
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
