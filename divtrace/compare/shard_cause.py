@@ -68,9 +68,9 @@ def _side_text(t, region: list, vid) -> str:
         ins = base.rin[colls[0][0]] or ()
         j = _matmul_behind(base, ins[0]) if ins and hasattr(base, "run") else None
         vp = _plan(base, ins[0]) if j is not None else None
-        if vp is None or vp.layout is None or not vp.layout[0] or not vp.layout[0][0].startswith("P"):
+        if not _partial(vp):
             vp = _plan(base, base.rout[j][0]) if j is not None and base.rout[j] else None
-        if vp is not None and vp.layout is not None and vp.layout[0] and vp.layout[0][0].startswith("P"):
+        if _partial(vp):
             return f"{len(vp.layout[1])} partial matmuls{_in_module(base, j)} summed by {colls[0][1].kind}"
         return f"{colls[0][1].kind} over {len(colls)} collective(s)"
     if not ops:  # the value is a submodule's output: the matmul that made it, if one did
@@ -84,6 +84,11 @@ def _side_text(t, region: list, vid) -> str:
         dims = sorted({int(p[1:]) for p in vp.layout[0] if p.startswith("S")})
         text += f" on {len(vp.blocks)} blocks of dim {', '.join(map(str, dims))}, one per rank"
     return text
+
+
+def _partial(vp) -> bool:
+    """Whether a value's plan is a partial sum (its first mesh dim's placement `P`)."""
+    return vp is not None and vp.layout is not None and bool(vp.layout[0]) and vp.layout[0][0].startswith("P")
 
 
 _PASS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "clone", "contiguous", "alias", "detach"}

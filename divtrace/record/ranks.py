@@ -58,11 +58,9 @@ def _holds_dtensor(model) -> bool:
         from torch.distributed.tensor import DTensor
     except ImportError:
         return False
-    params = getattr(model, "parameters", None)
-    buffers = getattr(model, "buffers", None)
-    if params is None:
+    if not hasattr(model, "parameters"):
         return False
-    return any(isinstance(t, DTensor) for t in params()) or any(isinstance(t, DTensor) for t in buffers())
+    return any(isinstance(t, DTensor) for t in (*model.parameters(), *model.buffers()))
 
 
 def rank_path(path, info: RankInfo) -> Path:
