@@ -125,12 +125,55 @@ def _block_of(t, vid, diff) -> str | None:
     if idx is None or len(idx) != len(vp.gshape):
         return None
     base = getattr(t, "trace", t)
+    if vp.routed:  # routed rows: the first differing element's row is a (token, slot)
+        for rank, q, rows in vp.blocks:
+            if idx[0] in rows:
+                k = base.run.layouts[rank].values[q].top_k
+                return f"rank {rank}'s routed row (token {idx[0] // k}, slot {idx[0] % k})"
+        return None
     for rank, q, off in vp.blocks:
         shape = base.run.traces[rank].vkey[q][1]
         if all(o <= x < o + n for x, o, n in zip(idx, off, shape)):
             cut = [f"dim {d}: {o}..{o + n - 1}" for d, (o, n, g) in enumerate(zip(off, shape, vp.gshape)) if n != g]
             return f"rank {rank}'s block ({', '.join(cut)})"
     return None
+
+
+def _row_table(t, vid) -> dict | None:
+    """Whole rows of a run's value whose layouts carry their fingerprints (routed rows `T`; a declared block of
+    dim 0): global row -> (row fingerprint, rank, expert or None, top-k or None); None for other values."""
+    base = getattr(t, "trace", t)
+    vp = _plan(base, vid)
+    if vp is None or vp.kind != "blocks":
+        return None
+    out = {}
+    for rank, q, where in vp.blocks:
+        lay = base.run.layouts[rank].values.get(q)
+        if lay is None or lay.row_hashes is None:
+            return None
+        rows = where if vp.routed else range(where[0], where[0] + len(lay.row_hashes))
+        for i, (g, h) in enumerate(zip(rows, lay.row_hashes)):
+            r = lay.routing[i] if lay.routing is not None else ()
+            out[g] = (h, rank, r[2] if len(r) > 2 else None, lay.top_k)
+    return out
+
+
+def _differing_rows(ta, tb, vid_a, vid_b) -> list | None:
+    """Where both sides' values carry row fingerprints (hash mode too): the rows that differ. Routed rows: each
+    (token, slot) with the expert and rank that computed it on each side; a block of dim 0: each token (row)."""
+    a, b = _row_table(ta, vid_a), _row_table(tb, vid_b)
+    if a is None or b is None or a.keys() != b.keys():
+        return None
+    out = []
+    for g in sorted(a):
+        if a[g][0] != b[g][0]:
+            k = a[g][3]
+            if k is None:
+                out.append({"token": g, "rank_a": a[g][1], "rank_b": b[g][1]})
+            else:
+                out.append({"token": g // k, "slot": g % k, "expert_a": a[g][2], "rank_a": a[g][1],
+                            "expert_b": b[g][2], "rank_b": b[g][1]})
+    return out
 
 
 def describe(d, ta, tb) -> dict | None:
@@ -149,6 +192,9 @@ def describe(d, ta, tb) -> dict | None:
         block = _block_of(t, vid, d.diff)
         if block:
             out[f"block_{side}"] = block
+    rows = _differing_rows(ta, tb, d.vid_a, d.vid_b)
+    if rows is not None:
+        out["rows"] = rows
     out["why"] = f"{module}: {out['a']} on a, {out['b']} on b"
     return out
 
