@@ -100,6 +100,9 @@ def test_planted_combine_order_found_at_its_tokens(runs, mode):
     half = len(a["combine"]) // 2
     assert all(x["rank_a"] == (x["token"] >= half) for x in got), got
     assert [o for _, o in r.first.region_a][0] == "aten.sort.stable"  # the rank order: the slots sorted by expert
+    assert r.first.shards["why"].startswith(f"combine: combines routed rows that are equal on a and b, and its output "
+                                            f"differs at tokens {tokens}: the order in which a token's slots are "
+                                            "summed, or the sum's kernel, differs (a: sort, "), r.first.shards
     if mode == "full":
         assert r.first.diff.first_index[0] == tokens[0]
 

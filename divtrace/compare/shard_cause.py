@@ -196,7 +196,32 @@ def describe(d, ta, tb) -> dict | None:
     if rows is not None:
         out["rows"] = rows
     out["why"] = f"{module}: {out['a']} on a, {out['b']} on b"
+    if _sums_equal_routed_rows(d, ta, tb) and rows and "slot" not in rows[0]:
+        tokens = [x["token"] for x in rows]
+        out["why"] = (f"{module}: combines routed rows that are equal on a and b, and its output differs at tokens "
+                      f"{_few(tokens)}: the order in which a token's slots are summed, or the sum's kernel, differs "
+                      f"(a: {out['a']}; b: {out['b']})")
     return out
+
+
+def _few(xs: list) -> str:
+    return str(xs) if len(xs) <= 8 else f"[{', '.join(map(str, xs[:8]))}, ... ({len(xs)} in all)]"
+
+
+def _sums_equal_routed_rows(d, ta, tb) -> bool:
+    """Whether the origin call reads routed rows (`T`) that are equal on both sides (a combine: the weighted sum of
+    each token's expert outputs), while its output is not routed rows."""
+    found = []
+    for t, module in ((ta, d.module), (tb, d.module_b or d.module)):
+        base = getattr(t, "trace", t)
+        call = next((c for c in base.calls.values() if c.module == module and c.call == d.call), None)
+        if call is None:
+            return False
+        routed = [v for _, v in call.inputs if getattr(_plan(base, v), "routed", False)]
+        if not routed:
+            return False
+        found.append(base.vkey[routed[0]])
+    return found[0] == found[1]
 
 
 def replica_warnings(ta, tb) -> list[str]:
