@@ -66,8 +66,8 @@ def parse_spec(text, where: str, groups: dict) -> Spec:
         raise DivtraceError(f"layouts[{where!r}]: a spec is a string such as 'S(-1)@tp', got {type(text).__name__}")
     m = _SPEC.match(text.replace(" ", ""))
     if m is None:
-        raise DivtraceError(f"layouts[{where!r}]: cannot parse {text!r}: expected R, P, T or S(dim[,global size]), "
-                            "then @group (e.g. 'S(-1)@tp', 'P@tp', 'R', 'T@ep')")
+        raise DivtraceError(f"layouts[{where!r}]: cannot parse {text!r}: expected R, P or S(dim[,global size]), "
+                            "then @group (e.g. 'S(-1)@tp', 'P@tp', 'R'; routed rows: 'T@ep')")
     name = m.group("name")
     if name is None:
         if len(groups) != 1:
