@@ -138,3 +138,30 @@ def test_routing_that_does_not_fit_is_a_one_line_error(tmp_path):
                 rec.routed(rows, n_tokens=4, top_k=2, **kw)
             assert str(e.value).startswith(msg) and "\n" not in str(e.value)
     divtrace.routed(rows, tokens=[0, 1, 2], slots=[0, 0, 0], n_tokens=4, top_k=2)  # outside a recording: nothing
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("plant", ["kernel", "combine"])
+def test_repro_puts_routed_rows_in_place(runs, tmp_path, plant):
+    """The repro replays side a's region on both simulated ranks and puts each rank's routed rows (or token rows) at
+    their global rows: both sides reproduce their recorded outputs bit for bit, and the script fails while they
+    differ, first at the row bisect named."""
+    import subprocess
+    import sys
+
+    from divtrace.repro.writer import write_repro
+
+    root, _ = runs
+    a, b = root / "ep2" / f"{plant}-full", root / "ep1" / f"{plant}-full"
+    r = divtrace.bisect(str(a), str(b))
+    out = tmp_path / "repro"
+    res = write_repro(str(a), str(b), out)
+    assert res.ok, res.fidelity
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["ranks"]["a"] == [0, 1] and m["origin"]["module"] == r.first.module
+    if plant == "kernel":
+        assert "rank 1's routed rows" in (out / "repro.py").read_text()
+    p = subprocess.run([sys.executable, str(out / "repro.py")], capture_output=True, text=True)
+    assert p.returncode == 1, p.stdout + p.stderr
+    first = r.first.diff.first_index
+    assert f"[{first[0]}, {first[1]}]" in p.stdout, p.stdout
