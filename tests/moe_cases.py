@@ -149,7 +149,8 @@ def inputs():
 
 def capture(model):
     """Ground truth from plain forward hooks on an unrecorded forward: the experts' input and output rows (and
-    expert) and the combine's input rows keyed by (token, slot), the combine's output rows keyed by token, and the model's output."""
+    expert) and the combine's input rows keyed by (token, slot), the combine's output rows keyed by token, and the
+    model's output."""
     import torch
 
     got = {"experts_in": {}, "experts": {}, "expert_of": {}, "back": {}, "combine": {}}

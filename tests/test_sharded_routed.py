@@ -77,8 +77,10 @@ def test_planted_expert_kernel_found_at_its_rows(runs, mode):
     got = r.first.shards["rows"]
     assert [(x["token"], x["slot"]) for x in got] == rows
     assert all((x["expert_a"], x["rank_a"], x["rank_b"]) == (EXPERTS - 1, 1, 0) for x in got), got
-    if mode == "full":
-        t, s = rows[0]  # the first differing element lies in the first differing row (token * top_k + slot)
+    t, s = rows[0]
+    assert r.first.shards["why"].startswith(f"experts: routed rows computed on 2 ranks on a, 1 on b; the rows that "
+                                            f"differ: (token {t}, slot {s}: expert {EXPERTS - 1} on rank 1 of a)")
+    if mode == "full":  # the first differing element lies in the first differing row (token * top_k + slot)
         assert r.first.shards["block_a"] == f"rank 1's routed row (token {t}, slot {s})"
         assert r.first.diff.first_index[0] == t * TOPK + s
 

@@ -196,12 +196,31 @@ def describe(d, ta, tb) -> dict | None:
     if rows is not None:
         out["rows"] = rows
     out["why"] = f"{module}: {out['a']} on a, {out['b']} on b"
-    if _sums_equal_routed_rows(d, ta, tb) and rows and "slot" not in rows[0]:
+    if rows and "slot" in rows[0]:  # routed rows: which (token, slot) rows, computed where
+        out["why"] = _routed_why(module, rows, [_rank_count(t, v) for t, v in ((ta, d.vid_a), (tb, d.vid_b))])
+    elif _sums_equal_routed_rows(d, ta, tb) and rows:
         tokens = [x["token"] for x in rows]
         out["why"] = (f"{module}: combines routed rows that are equal on a and b, and its output differs at tokens "
                       f"{_few(tokens)}: the order in which a token's slots are summed, or the sum's kernel, differs "
                       f"(a: {out['a']}; b: {out['b']})")
     return out
+
+
+def _rank_count(t, vid) -> int:
+    return len({r for r, _, _ in _plan(getattr(t, "trace", t), vid).blocks})
+
+
+def _routed_why(module: str, rows: list, ranks: list) -> str:
+    """Routed rows that differ, in words: the first few (token, slot) rows and the expert and rank of a that
+    computed each."""
+    def where(x):
+        e = x["expert_a"]
+        return f"{'' if e is None else f'expert {e} '}on rank {x['rank_a']} of a"
+
+    listed = ", ".join(f"(token {x['token']}, slot {x['slot']}: {where(x)})" for x in rows[:4])
+    more = f", ... ({len(rows)} in all)" if len(rows) > 4 else ""
+    return (f"{module}: routed rows computed on {ranks[0]} ranks on a, {ranks[1]} on b; the rows that differ: "
+            f"{listed}{more}")
 
 
 def _few(xs: list) -> str:
