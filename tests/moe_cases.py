@@ -33,9 +33,10 @@ def config():
                          num_experts_per_tok=TOPK)
 
 
-def build(world: int = 1, rank: int = 0, plant: str | None = None):
+def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool = True):
     """The model on rank `rank` of EP=`world` (the 1-rank model's weights, which a seed fixes, this rank's experts
-    of them). `plant`: None, "kernel" or "combine" (the planted side's code; the other side passes None)."""
+    of them). `plant`: None, "kernel" or "combine" (the planted side's code; the other side passes None).
+    `declare=False`: the routing is not declared (divtrace.routed is not called)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -113,7 +114,8 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None):
             dist.all_to_all_single(recv_meta, meta, outs, ins)
             by_expert = torch.argsort(recv_meta[:, 2], stable=True)
             rows, rmeta = recv[by_expert], recv_meta[by_expert]
-            divtrace.routed(rows, tokens=rmeta[:, 0], slots=rmeta[:, 1], experts=rmeta[:, 2], n_tokens=n, top_k=k)
+            if declare:
+                divtrace.routed(rows, tokens=rmeta[:, 0], slots=rmeta[:, 1], experts=rmeta[:, 2], n_tokens=n, top_k=k)
             self.experts.routing = rmeta  # (for the tests' hooks)
             counts = torch.bincount(rmeta[:, 2] - first, minlength=n_local).tolist()
             done = self.experts(rows, counts)
@@ -121,7 +123,8 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None):
             back_send[by_expert] = done
             back = x.new_empty(send.shape)
             dist.all_to_all_single(back, back_send, ins, outs)
-            divtrace.routed(back, tokens=meta[:, 0], slots=meta[:, 1], experts=meta[:, 2], n_tokens=n, top_k=k)
+            if declare:
+                divtrace.routed(back, tokens=meta[:, 0], slots=meta[:, 1], experts=meta[:, 2], n_tokens=n, top_k=k)
             self.combine.routing = meta
             pos = torch.empty_like(order)
             pos[order] = torch.arange(order.numel())
@@ -192,3 +195,20 @@ def worker(rank, world, root, cases):
             m(inputs())
         out[name] = capture(m)
     return out
+
+
+def undeclared_worker(rank, world, root):
+    """Record with T layouts but no routing declared: the one-line DivtraceError, or None."""
+    import torch
+
+    import divtrace
+    from divtrace.errors import DivtraceError
+
+    torch.set_num_threads(1)
+    m = build(world, rank, declare=False)
+    try:
+        with torch.no_grad(), divtrace.record(m, root, layouts=LAYOUTS, mesh={"ep": None}):
+            m(inputs())
+    except DivtraceError as e:
+        return str(e)
+    return None

@@ -13,7 +13,7 @@ import torch
 import divtrace
 from divtrace.errors import DivtraceError
 from dist_harness import run_ranks
-from moe_cases import EXPERTS, TOPK, worker
+from moe_cases import EXPERTS, TOPK, undeclared_worker, worker
 from sharded_cases import bits_equal
 
 CASES = [("none-full", "full", None), ("none-hash", "hash", None), ("kernel-full", "full", "kernel"),
@@ -125,6 +125,15 @@ def test_routed_layout_lines(runs):
         seen += [t * TOPK + s for t, s, _ in ins["rt"]]
     assert sorted(seen) == list(range(routed[0]["g"][0]))
     assert (root / "ep1" / "none-hash" / "rank-0" / "layouts.jsonl").exists()
+
+
+@pytest.mark.gloo
+def test_a_routed_side_without_its_routing_is_a_one_line_error(tmp_path):
+    got = run_ranks(undeclared_worker, 2, str(tmp_path / "ep2"))
+    for e in got:
+        assert e is not None and e.startswith("moe.experts (input): layout 'T@ep': no routing was declared for this "
+                                              "tensor of [") and "\n" not in e, e
+        assert "(call divtrace.routed(rows, tokens=..., slots=..., n_tokens=..., top_k=...) before the module runs)" in e
 
 
 def test_routing_that_does_not_fit_is_a_one_line_error(tmp_path):
