@@ -6,7 +6,7 @@ stays light.
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["record", "open_trace", "bisect", "DivtraceError", "__version__"]
+__all__ = ["record", "routed", "open_trace", "bisect", "DivtraceError", "__version__"]
 
 # `divtrace.record` is this function, not the package divtrace/record/ it lives in: importing the package here
 # (light: it imports torch only when record() runs) lets Python set its attribute on divtrace now, once, and the
@@ -24,6 +24,10 @@ def __getattr__(name):
         from divtrace.compare.bisect import bisect
 
         return bisect
+    if name == "routed":  # the routing of expert-parallel rows (docs/sharded.md, "Routed rows")
+        from divtrace.record import routed
+
+        return routed
     if name == "DivtraceError":
         from divtrace.errors import DivtraceError
 

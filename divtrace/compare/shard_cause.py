@@ -130,12 +130,55 @@ def _block_of(t, vid, diff) -> str | None:
     if idx is None or len(idx) != len(vp.gshape):
         return None
     base = getattr(t, "trace", t)
+    if vp.routed:  # routed rows: the first differing element's row is a (token, slot)
+        for rank, q, rows in vp.blocks:
+            if idx[0] in rows:
+                k = base.run.layouts[rank].values[q].top_k
+                return f"rank {rank}'s routed row (token {idx[0] // k}, slot {idx[0] % k})"
+        return None
     for rank, q, off in vp.blocks:
         shape = base.run.traces[rank].vkey[q][1]
         if all(o <= x < o + n for x, o, n in zip(idx, off, shape)):
             cut = [f"dim {d}: {o}..{o + n - 1}" for d, (o, n, g) in enumerate(zip(off, shape, vp.gshape)) if n != g]
             return f"rank {rank}'s block ({', '.join(cut)})"
     return None
+
+
+def _row_table(t, vid) -> dict | None:
+    """Whole rows of a run's value whose layouts carry their fingerprints (routed rows `T`; a declared block of
+    dim 0): global row -> (row fingerprint, rank, expert or None, top-k or None); None for other values."""
+    base = getattr(t, "trace", t)
+    vp = _plan(base, vid)
+    if vp is None or vp.kind != "blocks":
+        return None
+    out = {}
+    for rank, q, where in vp.blocks:
+        lay = base.run.layouts[rank].values.get(q)
+        if lay is None or lay.row_hashes is None:
+            return None
+        rows = where if vp.routed else range(where[0], where[0] + len(lay.row_hashes))
+        for i, (g, h) in enumerate(zip(rows, lay.row_hashes)):
+            r = lay.routing[i] if lay.routing is not None else ()
+            out[g] = (h, rank, r[2] if len(r) > 2 else None, lay.top_k)
+    return out
+
+
+def _differing_rows(ta, tb, vid_a, vid_b) -> list | None:
+    """Where both sides' values carry row fingerprints (hash mode too): the rows that differ. Routed rows: each
+    (token, slot) with the expert and rank that computed it on each side; a block of dim 0: each token (row)."""
+    a, b = _row_table(ta, vid_a), _row_table(tb, vid_b)
+    if a is None or b is None or a.keys() != b.keys():
+        return None
+    out = []
+    for g in sorted(a):
+        if a[g][0] != b[g][0]:
+            k = a[g][3]
+            if k is None:
+                out.append({"token": g, "rank_a": a[g][1], "rank_b": b[g][1]})
+            else:
+                out.append({"token": g // k, "slot": g % k, "expert_a": a[g][2], "rank_a": a[g][1],
+                            "expert_b": b[g][2], "rank_b": b[g][1]})
+    return out
 
 
 def describe(d, ta, tb) -> dict | None:
@@ -154,8 +197,55 @@ def describe(d, ta, tb) -> dict | None:
         block = _block_of(t, vid, d.diff)
         if block:
             out[f"block_{side}"] = block
+    rows = _differing_rows(ta, tb, d.vid_a, d.vid_b)
+    if rows is not None:
+        out["rows"] = rows
     out["why"] = f"{module}: {out['a']} on a, {out['b']} on b"
+    if rows and "slot" in rows[0]:  # routed rows: which (token, slot) rows, computed where
+        out["why"] = _routed_why(module, rows, [_rank_count(t, v) for t, v in ((ta, d.vid_a), (tb, d.vid_b))])
+    elif _sums_equal_routed_rows(d, ta, tb) and rows:
+        tokens = [x["token"] for x in rows]
+        out["why"] = (f"{module}: combines routed rows that are equal on a and b, and its output differs at tokens "
+                      f"{_few(tokens)}: the order in which a token's slots are summed, or the sum's kernel, differs "
+                      f"(a: {out['a']}; b: {out['b']})")
     return out
+
+
+def _rank_count(t, vid) -> int:
+    return len({r for r, _, _ in _plan(getattr(t, "trace", t), vid).blocks})
+
+
+def _routed_why(module: str, rows: list, ranks: list) -> str:
+    """Routed rows that differ, in words: the first few (token, slot) rows and the expert and rank of a that
+    computed each."""
+    def where(x):
+        e = x["expert_a"]
+        return f"{'' if e is None else f'expert {e} '}on rank {x['rank_a']} of a"
+
+    listed = ", ".join(f"(token {x['token']}, slot {x['slot']}: {where(x)})" for x in rows[:4])
+    more = f", ... ({len(rows)} in all)" if len(rows) > 4 else ""
+    return (f"{module}: routed rows computed on {ranks[0]} ranks on a, {ranks[1]} on b; the rows that differ: "
+            f"{listed}{more}")
+
+
+def _few(xs: list) -> str:
+    return str(xs) if len(xs) <= 8 else f"[{', '.join(map(str, xs[:8]))}, ... ({len(xs)} in all)]"
+
+
+def _sums_equal_routed_rows(d, ta, tb) -> bool:
+    """Whether the origin call reads routed rows (`T`) that are equal on both sides (a combine: the weighted sum of
+    each token's expert outputs), while its output is not routed rows."""
+    found = []
+    for t, module in ((ta, d.module), (tb, d.module_b or d.module)):
+        base = getattr(t, "trace", t)
+        call = next((c for c in base.calls.values() if c.module == module and c.call == d.call), None)
+        if call is None:
+            return False
+        routed = [v for _, v in call.inputs if getattr(_plan(base, v), "routed", False)]
+        if not routed:
+            return False
+        found.append(base.vkey[routed[0]])
+    return found[0] == found[1]
 
 
 def replica_warnings(ta, tb) -> list[str]:

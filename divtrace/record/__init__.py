@@ -10,7 +10,18 @@ This package's own import is light (torch is imported when `record` is called).
 """
 from __future__ import annotations
 
-__all__ = ["record"]
+__all__ = ["record", "routed"]
+
+
+def routed(rows, *, tokens, slots, n_tokens: int, top_k: int, experts=None) -> None:
+    """Declare the routing of `rows` (expert parallelism: the rows an all_to_all moved to this rank), for a module
+    side declared `T@group` in record's `layouts=`: row i is token `tokens[i]` (its index among the `n_tokens`
+    tokens of the batch, all ranks counted), slot `slots[i]` of its `top_k`, for expert `experts[i]` (optional).
+    For every recording active now (a no-op outside one). docs/sharded.md, "Routed rows"."""
+    from divtrace.record.lifecycle import ACTIVE
+
+    for rec in list(ACTIVE):
+        rec.routed(rows, tokens=tokens, slots=slots, n_tokens=n_tokens, top_k=top_k, experts=experts)
 
 
 def record(model, path, *, mode="full", ops=None, label=None, include=None, exclude=None, overwrite=False,

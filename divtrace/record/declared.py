@@ -18,6 +18,9 @@ Grammar of a spec (one placement over one named process group):
                | "S(" dim [ "," global size ] ")"
                                       a block of dim `dim` (negative counts from the end): rank i of the group holds
                                       the i-th of equal blocks; the global size, when given, is checked
+               | "T"                  routed rows (expert parallelism): each row of this rank's tensor is one
+                                      (token, slot) of the global value [tokens * top_k, ...], as the routing
+                                      declared for the tensor says (`divtrace.routed`: record/routing.py)
 
 `name` is a key of `mesh` (`{name: process group, or a list of global ranks}`); without `mesh` the one group is the
 whole world, named `world`, and a spec without `@name` means the only group. Each regex must match a whole module
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 from divtrace.errors import DivtraceError
 
-_SPEC = re.compile(r"^(?:(?P<kind>[RP])|S\((?P<dim>[+-]?\d+)(?:,(?P<size>\d+))?\))(?:@(?P<name>[A-Za-z_]\w*))?$")
+_SPEC = re.compile(r"^(?:(?P<kind>[RPT])|S\((?P<dim>[+-]?\d+)(?:,(?P<size>\d+))?\))(?:@(?P<name>[A-Za-z_]\w*))?$")
 _SIDES = {"output": "out", "input": "in"}
 
 
@@ -64,7 +67,7 @@ def parse_spec(text, where: str, groups: dict) -> Spec:
     m = _SPEC.match(text.replace(" ", ""))
     if m is None:
         raise DivtraceError(f"layouts[{where!r}]: cannot parse {text!r}: expected R, P or S(dim[,global size]), "
-                            "then @group (e.g. 'S(-1)@tp', 'P@tp', 'R')")
+                            "then @group (e.g. 'S(-1)@tp', 'P@tp', 'R'; routed rows: 'T@ep')")
     name = m.group("name")
     if name is None:
         if len(groups) != 1:
@@ -118,6 +121,19 @@ def check_outside(layouts, mesh) -> bool:
     return bool(layouts)
 
 
+def declares_routed(layouts) -> bool:
+    """Whether `layouts` declares routed rows (`T`) anywhere: such a recording in a process group of one process
+    is a run of one rank (the 1-rank side of an expert-parallel comparison), whose routed values are keyed as
+    global values."""
+    if not isinstance(layouts, dict):
+        return False
+    for value in layouts.values():
+        for v in (value.values() if isinstance(value, dict) else (value,)):
+            if isinstance(v, str) and v.replace(" ", "").startswith("T"):
+                return True
+    return False
+
+
 def _specs(pattern, value, groups) -> dict:
     """One regex's value (a spec, or a dict of "output" and/or "input" specs) as {"out"/"in": Spec}."""
     sides = value if isinstance(value, dict) else {"output": value}
@@ -153,8 +169,9 @@ class Declared:
                     hit = True
             for name, p in params:
                 if rx.fullmatch(name):
-                    if "in" in specs:
-                        raise DivtraceError(f"layouts[{pattern!r}]: {name} is a parameter: its spec is one string")
+                    if "in" in specs or specs["out"].kind == "T":
+                        raise DivtraceError(f"layouts[{pattern!r}]: {name} is a parameter: its spec is one string "
+                                            "(R, P or S(dim); routed rows are a module's)")
                     if not hasattr(p, "_local_tensor"):  # (a DTensor parameter has its own placements)
                         self.params.append((name, p, specs["out"]))
                         self.lay(specs["out"], p, name)  # (a spec that does not fit: an error now)
@@ -174,6 +191,9 @@ class Declared:
                                 f"{spec.name!r} (ranks {list(group.ranks)})")
         if not shape:
             raise DivtraceError(f"{head}: a 0-dim tensor has no layout to declare")
+        if spec.kind == "T":
+            raise DivtraceError(f"{where}: layout {spec.text!r}: routed rows are laid out by their routing "
+                                "(placements.Placements.routed_lay), not by the spec alone")
         if spec.kind != "S":
             return group, (spec.kind,), shape, (0,) * len(shape)
         nd, n = len(shape), len(group.ranks)

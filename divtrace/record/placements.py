@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from divtrace.errors import DivtraceError
+from divtrace.record.routing import Routes, routed_gshape, routed_partial, row_hexes
 from divtrace.record.shard_rules import Lay, propagate
 from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes
 from divtrace.trace.hashing.tensor import tensor_partial, to_hex
@@ -65,6 +67,8 @@ class Placements:
         self._mesh_of: dict[int, int] = {}  # id(DeviceMesh) -> mesh id
         self._params: dict[tuple, Lay] = {}  # storage key of a DTensor parameter's local tensor -> its layout
         self._styles: dict[int, tuple] = {}  # id(module) -> (kind, mesh id, in layout fn, out layout fn)
+        self.routes = Routes()  # routings declared by divtrace.routed (record/routing.py)
+        self._routing: dict[int, object] = {}  # id(tensor about to be bound with a T layout) -> its Routing
         self._scan(model)
 
     # -- meshes -------------------------------------------------------------------------------------------------
@@ -142,7 +146,28 @@ class Placements:
         d = self.declared.modules.get(id(module))
         if d is None or side not in d[1] or not isinstance(t, torch.Tensor):
             return None
-        return self._declared_lay(d[1][side], t, f"{d[0]} ({'output' if side == 'out' else 'input'})")
+        where = f"{d[0]} ({'output' if side == 'out' else 'input'})"
+        if d[1][side].kind == "T":
+            return self._routed_lay(d[1][side], t, module, side, where)
+        return self._declared_lay(d[1][side], t, where)
+
+    def _routed_lay(self, spec, t, module, side: str, where: str) -> Lay:
+        """Routed rows: laid out by the routing declared for `t` (or, for an output, its module's routed input's)."""
+        routing = self.routes.of(t, module, side)
+        if routing is None:
+            raise DivtraceError(f"{where}: layout {spec.text!r}: no routing was declared for this tensor of "
+                                f"{list(t.shape)} (call divtrace.routed(rows, tokens=..., slots=..., n_tokens=..., "
+                                "top_k=...) before the module runs)")
+        if len(routing.tokens) != t.shape[0]:
+            raise DivtraceError(f"{where}: layout {spec.text!r}: the routing names {len(routing.tokens)} rows, the "
+                                f"tensor holds {t.shape[0]}")
+        group = self.declared.groups[spec.name]
+        if self.declared.rank not in group.ranks:
+            raise DivtraceError(f"{where}: layout {spec.text!r}: rank {self.declared.rank} is not in the group "
+                                f"{spec.name!r} (ranks {list(group.ranks)})")
+        mid = self._add_mesh([len(group.ranks)], [group.name], list(group.ranks), group=group.name)
+        self._routing[id(t)] = routing
+        return Lay(mid, ("T",), routed_gshape(t, routing), (0,) * t.dim(), "declared", spec.text)
 
     def defer_rows(self, stack, t) -> bool:
         """Whether value `t`, made now with no layout, waits for its module's exit for its token rows: the
@@ -258,6 +283,13 @@ class Placements:
     def _bind(self, t, vid: int, lay: Lay) -> None:
         self.by_vid[vid] = lay
         partial = None
+        routing = self._routing.pop(id(t), None) if lay.placements == ("T",) else None
+        if routing is not None:
+            line = Layout(vid, lay.mesh, ["T"], list(lay.gshape), list(lay.offsets), lay.src,
+                          to_hex(routed_partial(t, routing)), False, lay.why).to_json()
+            line.update(k=routing.top_k, rt=routing.table(), rh=row_hexes(t))
+            self.out.add(line)
+            return
         if any(p[0] == "S" for p in lay.placements):
             try:
                 partial = tensor_partial(_readable(t), lay.gshape, lay.offsets)
@@ -270,8 +302,11 @@ class Placements:
                 self._warn(f"a shard layout did not fit its tensor ({type(e).__name__}: {e}); recorded as the rank's own")
                 del self.by_vid[vid]
                 return
-        self.out.add(Layout(vid, lay.mesh, list(lay.placements), list(lay.gshape), list(lay.offsets), lay.src,
-                            partial, id(t) in self.row_partials, lay.why).to_json())
+        line = Layout(vid, lay.mesh, list(lay.placements), list(lay.gshape), list(lay.offsets), lay.src,
+                      partial, id(t) in self.row_partials, lay.why).to_json()
+        if lay.src == "declared" and lay.placements == ("S0",) and t.dim() >= 1:  # (whole rows: which ones differ)
+            line["rh"] = row_hexes(t)
+        self.out.add(line)
 
     def add_line(self, line: dict) -> None:
         self.out.add(line)

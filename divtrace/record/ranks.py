@@ -32,11 +32,13 @@ class RankInfo:
                 "local_rank": int(local) if local and local.isdigit() else None}
 
 
-def current_rank(model=None) -> RankInfo | None:
+def current_rank(model=None, routed: bool = False) -> RankInfo | None:
     """This process's place in an initialized default process group, or None outside one. A group of one process
     whose model holds no DTensor is no sharded run: vLLM (and other engines and trainers) initialize a group of one
     for their single worker, and its recording is a plain trace at the path given. A DTensor model on a one-rank
-    mesh is recorded as a run of one rank (its layouts and collectives are what a user checks there)."""
+    mesh is recorded as a run of one rank (its layouts and collectives are what a user checks there), and so is a
+    recording that declares routed rows (`routed`: the 1-rank side of an expert-parallel comparison, whose routed
+    values are keyed by token and slot as the expert-parallel run's are)."""
     try:
         import torch.distributed as dist
     except ImportError:
@@ -44,7 +46,7 @@ def current_rank(model=None) -> RankInfo | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     world = dist.get_world_size()
-    if world == 1 and not _holds_dtensor(model):
+    if world == 1 and not routed and not _holds_dtensor(model):
         return None
     try:
         backend = str(dist.get_backend())

@@ -55,7 +55,9 @@ class Recorder:
         self.compiled, ops, self._regions = resolve(model, compiled, ops)
         from divtrace.record.ranks import current_rank, rank_path  # a rank of a sharded run: docs/sharded.md
 
-        self.rank = current_rank(model)
+        from divtrace.record.declared import declares_routed
+
+        self.rank = current_rank(model, routed=declares_routed(layouts))
         self.placements = None
         if self.rank is not None:
             path = rank_path(path, self.rank)
@@ -138,6 +140,15 @@ class Recorder:
         self._session.start()
         self._signals.install(self.writer)
         return self
+
+    def routed(self, rows, *, tokens, slots, n_tokens: int, top_k: int, experts=None) -> None:
+        """The routing of `rows` (`divtrace.routed`; record/routing.py). Checked even outside a process group,
+        where it is then ignored, as declared layouts are."""
+        from divtrace.record.routing import make_routing
+
+        routing = make_routing(rows, tokens, slots, n_tokens, top_k, experts)
+        if self.placements is not None:
+            self.placements.routes.declare(rows, routing)
 
     def tokens(self, ids, positions, seqs=None) -> None:
         """Declare the token rows of the next root call of the recorded model, in the order the call lays its

@@ -200,7 +200,7 @@ def propagate(name: str, pointwise: bool, args, items: dict, out_shapes: list) -
     position of each tensor argument (an int, or (position, k) inside a list) to its (local shape, layout)."""
     none = [None] * len(out_shapes)
     lays = [v for v in items.values() if v[1] is not None]
-    if not lays or not out_shapes:
+    if not lays or not out_shapes or any("T" in v[1].placements for v in lays):  # (routed rows: no rule carries them)
         return none
     base = name.split(".")[1] if name.count(".") >= 2 else name
     first = items.get(0)

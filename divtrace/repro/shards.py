@@ -164,6 +164,9 @@ def _assemble(side: RankedSide, refs: dict) -> list[str]:
     out = [f"    out = torch.empty({list(vp.gshape)}, dtype={refs[rep_rank][side.output]}.dtype)  # the global value"]
     for r, q, off in vp.blocks:
         local = refs[r][q]
+        if vp.routed:  # routed rows: each at its global row (token * top_k + slot)
+            out.append(f"    out[{list(off)}] = {local}  # rank {r}'s routed rows")
+            continue
         idx = ", ".join(f"{o}:{o} + {local}.shape[{d}]" for d, o in enumerate(off))
         out.append(f"    out[{idx}] = {local}  # rank {r}'s block")
     out.append(f"    return out{_row(side)}")
@@ -284,7 +287,7 @@ def _block_ties(sides: dict, names: dict) -> list:
                  if type(tr.vkey[v]) is tuple}
         for v in side.leaves[rep_rank]:
             vp = plans.get(v)
-            if vp is None or vp.kind != "blocks" or vp.key not in whole:
+            if vp is None or vp.kind != "blocks" or vp.routed or vp.key not in whole:
                 continue
             for r, q, off in vp.blocks:
                 name = names.get((s, r, q))

@@ -16,6 +16,10 @@ docs/sharded.md); read by divtrace.trace.run and unsharded by divtrace.align.sha
   tensor-parallel style at a module boundary: `why` names it), `declared` (record's `layouts=`, a plain tensor's
   declared layout: `why` is the spec), `collective` (a collective's result), `rule`
   (carried through a plain op from its inputs' layouts: `why` names the rule);
+  routed rows (expert parallelism, placement `["T"]`: record/routing.py) add `k` (top-k), `rt` (per local row
+  `[token, slot]` or `[token, slot, expert]`: the row's place `token * k + slot` in the global value `g`) and `rh`
+  (per local row its whole-row fingerprint, 16 hex digits); `h` is then the rows' partial at their global rows;
+  a declared block of dim 0 (`S0`, src `declared`) has `rh` too (its rows are whole rows, from global row `o[0]`);
 - `{"c": record index, "kind": "all_reduce", "group": name, "M": mesh, "seq": n, "op": "sum"}`: a collective op
   record: its kind, the group it ran on (as a mesh), and its place among the collectives this rank ran on that
   group (`seq`, from 0).
@@ -31,7 +35,7 @@ import json
 from dataclasses import dataclass, field
 
 LAYOUTS = "layouts.jsonl"
-PLACEMENT_KINDS = ("S", "R", "P")
+PLACEMENT_KINDS = ("S", "R", "P", "T")
 
 
 @dataclass
@@ -76,6 +80,17 @@ class Layout:
     partial: str | None = None  # hex partial fingerprint, for S placements
     row_partials: bool = False
     why: str | None = None
+    top_k: int | None = None  # routed rows ("T"): top-k, the routing table and each row's fingerprint
+    routing: list | None = None
+    row_hashes: list | None = None
+
+    @property
+    def routed(self) -> bool:
+        return self.placements == ["T"]
+
+    def global_rows(self) -> list[int]:
+        """Routed rows: the global row of each local row (token * k + slot)."""
+        return [r[0] * self.top_k + r[1] for r in self.routing]
 
     @property
     def sharded(self) -> bool:
@@ -98,6 +113,10 @@ class Layout:
             d["rp"] = 1
         if self.why:
             d["why"] = self.why
+        if self.routing is not None:
+            d.update(k=self.top_k, rt=self.routing)
+        if self.row_hashes is not None:
+            d["rh"] = self.row_hashes
         return d
 
 
@@ -170,8 +189,11 @@ def _read_line(d, out: RankLayouts) -> str | None:
         h, why = d.get("h"), d.get("why")
         if not (h is None or isinstance(h, str)) or not (why is None or isinstance(why, str)):
             return f"the layout of value {d['v']} has a malformed partial fingerprint or reason"
+        routed = _routed_fields(d)
+        if isinstance(routed, str):
+            return routed
         out.values.setdefault(d["v"], Layout(d["v"], d["M"], d["p"], d["g"], d["o"], str(d.get("src", "?")),
-                                             h, bool(d.get("rp")), why))
+                                             h, bool(d.get("rp")), why, *routed))
     elif "c" in d:
         if not (all(_is_int(d.get(k)) for k in ("c", "M", "seq")) and isinstance(d.get("kind"), str)
                 and isinstance(d.get("group"), str) and (d.get("op") is None or isinstance(d["op"], str))):
@@ -189,6 +211,24 @@ def _read_line(d, out: RankLayouts) -> str | None:
     else:
         return "not a layout, mesh or collective line"
     return None
+
+
+def _routed_fields(d: dict):
+    """(top_k, routing, row hashes) of a layout line (Nones unless its placements are ["T"]), or what is wrong."""
+    if "T" not in d["p"]:
+        rh = d.get("rh")
+        if rh is not None and not (d["p"] == ["S0"] and isinstance(rh, list)
+                                   and all(isinstance(x, str) and len(x) == 16 for x in rh)):
+            return f"the row fingerprints of value {d['v']} are malformed"
+        return None, None, rh
+    k, rt, rh, g = d.get("k"), d.get("rt"), d.get("rh"), d["g"]
+    if not (d["p"] == ["T"] and _is_int(k) and k > 0 and isinstance(rt, list) and isinstance(rh, list)
+            and len(rh) == len(rt) and isinstance(d.get("h"), str) and g and g[0] % k == 0
+            and all(isinstance(r, list) and len(r) in (2, 3) and all(_is_int(x) and x >= 0 for x in r)
+                    and r[1] < k and r[0] * k + r[1] < g[0] for r in rt)
+            and all(isinstance(x, str) and len(x) == 16 for x in rh)):
+        return f"the routed rows of value {d['v']} have a malformed top-k, routing table or row fingerprints"
+    return k, rt, rh
 
 
 def _is_int(x) -> bool:

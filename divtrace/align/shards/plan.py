@@ -16,6 +16,8 @@ In the spirit of SGLang's comparator (its unsharder's planner and executor), but
    - a replica (`R`): every rank of its mesh must hold the same bytes, else a ReplicaMismatch (a finding: the
      walker reports it where it first appears).
    - a partial sum (`P`): RankLocal, compared only with a partial sum laid out the same way.
+   - routed rows (`T`): every (token, slot) row held by exactly one rank; keyed as the global value
+     `[tokens * top_k, ...]` by the sum of the ranks' partials.
    - no layout: equal on every rank of the group -> replicated (the rank's key); else the ranks' own pieces
      (RankLocal). A group of one rank keeps its keys, except where a missing rank may have been its
      tensor-parallel partner.
@@ -47,6 +49,7 @@ class ValuePlan:
     note: str | None = None  # what a reader should know (a replica that differs, a missing block)
     layout: tuple | None = None  # (placements, mesh ranks, src, why) of the representative's layout
     real: tuple | None = None  # a derived view's blocks: the key of their bytes (the partials' sum; `key` is derived)
+    routed: bool = False  # routed rows ("T"): each block's third item is its rows' global rows, not offsets
 
 
 @dataclass
@@ -228,6 +231,8 @@ class Planner:
         if lay.pending:
             return ValuePlan(RankLocal((key0[0], key0[1], ("partial",) + tuple(p[2] for p in peers.values()))),
                              "local", note="a partial sum before its reduction", layout=desc)
+        if lay.routed:
+            return _routed_plan(key0, vid, lay, peers, desc)
         boxes: dict[tuple, list] = {}
         for q, (vq, lq, kq) in peers.items():
             boxes.setdefault(tuple(lq.offsets), []).append((q, vq, lq, kq))
@@ -284,6 +289,30 @@ class Planner:
                          note="each rank holds its own piece, and no layout says how they make the whole")
 
 
+def _routed_plan(key0, vid: int, lay, peers: dict, desc) -> ValuePlan:
+    """Routed rows (`T`): every (token, slot) of the global value `[tokens * top_k, ...]` held by exactly one rank of
+    the mesh; the key is the sum of the ranks' partials (each rank's rows at their global rows), the blocks each
+    rank's rows with their global rows (docs/sharded.md, "Routed rows")."""
+    seen: dict[int, int] = {}
+    blocks = []
+    for q, (vq, lq, _) in sorted(peers.items()):
+        rows = lq.global_rows()
+        for g in rows:
+            if g in seen or lq.top_k != lay.top_k:
+                why = (f"rank {q} and rank {seen[g]} both hold (token {g // lay.top_k}, slot {g % lay.top_k})"
+                       if g in seen else f"rank {q} declares top_k {lq.top_k}, rank {min(peers)} {lay.top_k}")
+                return ValuePlan(RankLocal((key0[0], key0[1], ("unrouted", vid))), "local", layout=desc,
+                                 note=f"the routed rows do not fit together: {why}")
+            seen[g] = q
+        blocks.append((q, vq, tuple(rows)))
+    gshape = tuple(lay.global_shape)
+    if len(seen) != gshape[0]:
+        return ValuePlan(RankLocal((key0[0], key0[1], ("unrouted", vid))), "local", layout=desc,
+                         note=f"the ranks' routed rows hold {len(seen)} of the {gshape[0]} (token, slot) rows")
+    partial = combine_hex([lq.partial for _, lq, _ in peers.values()])
+    return ValuePlan((key0[0], gshape, partial), "blocks", gshape, blocks, None, layout=desc, routed=True)
+
+
 def _derived_blocks(t0, g: Group, vid: int, vp: ValuePlan) -> ValuePlan:
     """Blocks of a view that each rank derived (a weight block's `t()`): keyed as a one-process trace keys that view
     of the global input (its fingerprint derived from the op and the input's), so the two compare; the blocks'
@@ -298,7 +327,7 @@ def _derived_blocks(t0, g: Group, vid: int, vp: ValuePlan) -> ValuePlan:
         return vp
     key = (vp.key[0], vp.key[1], view_fingerprint(rec.op, src.key[2], src.key[0], list(src.key[1]), list(vp.key[1]),
                                                   rec.args, rec.kwargs))
-    return ValuePlan(key, vp.kind, vp.gshape, vp.blocks, vp.rows, vp.note, vp.layout, real=vp.key)
+    return ValuePlan(key, vp.kind, vp.gshape, vp.blocks, vp.rows, vp.note, vp.layout, real=vp.key, routed=vp.routed)
 
 
 def build_plan(run) -> tuple[list[Group], list[str], Planner]:

@@ -15,6 +15,9 @@ def assemble(run, vp, where: str):
     pieces = [(off, run.traces[r].tensor(q)) for r, q, off in vp.blocks]
     out = torch.empty(vp.gshape, dtype=pieces[0][1].dtype)
     for off, x in pieces:
+        if vp.routed:  # routed rows: each row at its global row (token * top_k + slot)
+            out[list(off)] = x
+            continue
         out[tuple(slice(o, o + n) for o, n in zip(off, x.shape))] = x
     got = to_hex(tensor_fingerprint(out))
     want = (vp.real or vp.key)[2]  # (a derived view's blocks: their bytes' key is `real`)

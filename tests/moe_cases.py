@@ -1,0 +1,214 @@
+"""An expert-parallel MoE layer in plain torch for the routed-rows tests (tests/test_sharded_routed.py): what each
+rank runs (spawned: module-level functions) and the model, at EP=`world` (each rank holds EXPERTS/world experts)
+or EP=1 (all experts local, the same weights).
+
+Mixtral's sparse MoE block (sizes from HF's MixtralConfig, its expert weights' layout `gate_up_proj` [E, 2F, H] and
+`down_proj` [E, H, F], seeded): router Linear, softmax in fp32, top-k, weights renormalized; experts SwiGLU. Each
+rank takes its share of the (replicated) tokens, sends each (token, slot) row to its expert's rank by
+`dist.all_to_all_single` with split sizes (the rows' token, slot and expert ids travel beside them), runs its
+experts on the rows it received (grouped by expert), sends the results back by all_to_all, and combines each
+token's slots (the weighted sum); an all_gather gives every rank all tokens. At EP=1 the same code runs on a
+process group of one.
+
+Plants: `act` ("kernel"): expert EXPERTS-1 (on the last rank) computes SiLU as x * sigmoid(x) instead of F.silu
+(every expert computes both, so every rank runs the same ops); `combine` ("rank order"): each token's slots are
+summed in the order of the ranks (experts) that computed them instead of routing (slot) order.
+
+No value inside the layer depends on the local token count alone (an `arange(k).expand(local tokens, k)` is the
+same on every rank, so it is taken for a replica, and its shape differs from the 1-rank run's).
+"""
+from __future__ import annotations
+
+import os
+
+HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 16, 24, 4, 3, 12
+LAYOUTS = {r"moe\.experts": {"input": "T@ep", "output": "T@ep"},
+           r"moe\.combine": {"input": "T@ep", "output": "S(0)@ep"}}
+
+
+def config():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_local_experts=EXPERTS,
+                         num_experts_per_tok=TOPK)
+
+
+def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool = True):
+    """The model on rank `rank` of EP=`world` (the 1-rank model's weights, which a seed fixes, this rank's experts
+    of them). `plant`: None, "kernel" or "combine" (the planted side's code; the other side passes None).
+    `declare=False`: the routing is not declared (divtrace.routed is not called)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    import divtrace
+
+    cfg = config()
+    E, k, H, FF = cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator().manual_seed(0)
+    gate_w = torch.randn(E, H, generator=g) * 0.5
+    gate_up = torch.randn(E, 2 * FF, H, generator=g) * 0.3
+    down = torch.randn(E, H, FF, generator=g) * 0.3
+    n_local = E // world
+    first = rank * n_local
+
+    class Experts(nn.Module):
+        """This rank's experts: rows grouped by expert, `counts` rows each."""
+
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(gate_up[first:first + n_local].clone())
+            self.down_proj = nn.Parameter(down[first:first + n_local].clone())
+
+        def forward(self, rows, counts):
+            outs, start = [], 0
+            for e in range(n_local):
+                x = rows[start:start + counts[e]]
+                start += counts[e]
+                gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+                silu, manual = F.silu(gate), gate * torch.sigmoid(gate)  # (both, on every rank: the same ops)
+                act = manual if plant == "kernel" and first + e == E - 1 else silu
+                outs.append(F.linear(act * up, self.down_proj[e]))
+            return torch.cat(outs)
+
+    class Combine(nn.Module):
+        """Each token's slots, weighted and summed: in routing (slot) order, or (the plant) in rank order."""
+
+        def forward(self, back, weights, pos, ids):
+            if plant == "combine":
+                perm = torch.argsort(ids, dim=1, stable=True)  # the slots by expert: the order of their ranks
+                pos, weights = pos.gather(1, perm), weights.gather(1, perm)
+            y = weights[:, 0:1] * back[pos[:, 0]]
+            for j in range(1, pos.shape[1]):
+                y = y + weights[:, j:j + 1] * back[pos[:, j]]
+            return y
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(H, E, bias=False)
+            self.gate.weight.data.copy_(gate_w)
+            self.experts = Experts()
+            self.combine = Combine()
+
+        def forward(self, x):
+            n = x.shape[0]
+            probs = torch.softmax(self.gate(x).float(), dim=-1)
+            w, ids = torch.topk(probs, k, dim=-1)
+            w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+            per = n // world
+            lo = rank * per
+            xs, ids_l, w_l = x[lo:lo + per], ids[lo:lo + per], w[lo:lo + per]
+            flat = ids_l.reshape(-1)  # row i: token lo + i // k, slot i % k
+            order = torch.argsort(flat, stable=True)  # by expert, so by the rank that holds it
+            send = xs.repeat_interleave(k, dim=0)[order]
+            meta = torch.stack([lo + torch.arange(per * k) // k, torch.arange(per * k) % k, flat], 1)[order]
+            send_splits = torch.bincount(flat, minlength=E).view(world, n_local).sum(1)
+            recv_splits = torch.empty_like(send_splits)
+            dist.all_to_all_single(recv_splits, send_splits)
+            ins, outs = send_splits.tolist(), recv_splits.tolist()
+            recv = x.new_empty(sum(outs), H)
+            dist.all_to_all_single(recv, send, outs, ins)
+            recv_meta = meta.new_empty(sum(outs), 3)
+            dist.all_to_all_single(recv_meta, meta, outs, ins)
+            by_expert = torch.argsort(recv_meta[:, 2], stable=True)
+            rows, rmeta = recv[by_expert], recv_meta[by_expert]
+            if declare:
+                divtrace.routed(rows, tokens=rmeta[:, 0], slots=rmeta[:, 1], experts=rmeta[:, 2], n_tokens=n, top_k=k)
+            self.experts.routing = rmeta  # (for the tests' hooks)
+            counts = torch.bincount(rmeta[:, 2] - first, minlength=n_local).tolist()
+            done = self.experts(rows, counts)
+            back_send = torch.empty_like(done)
+            back_send[by_expert] = done
+            back = x.new_empty(send.shape)
+            dist.all_to_all_single(back, back_send, ins, outs)
+            if declare:
+                divtrace.routed(back, tokens=meta[:, 0], slots=meta[:, 1], experts=meta[:, 2], n_tokens=n, top_k=k)
+            self.combine.routing = meta
+            pos = torch.empty_like(order)
+            pos[order] = torch.arange(order.numel())
+            y_loc = self.combine(back, w_l, pos.view(per, k), ids_l)
+            parts = [torch.empty_like(y_loc) for _ in range(world)]
+            dist.all_gather(parts, y_loc)
+            return torch.cat(parts)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = MoE()
+
+        def forward(self, x):
+            return x + self.moe(x)
+
+    return Net().eval()
+
+
+def inputs():
+    import torch
+
+    return torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1))
+
+
+def capture(model):
+    """Ground truth from plain forward hooks on an unrecorded forward: the experts' input and output rows (and
+    expert) and the combine's input rows keyed by (token, slot), the combine's output rows keyed by token, and the
+    model's output."""
+    import torch
+
+    got = {"experts_in": {}, "experts": {}, "expert_of": {}, "back": {}, "combine": {}}
+
+    def experts_hook(m, args, out):
+        for (t, s, e), row, x in zip(m.routing.tolist(), out, args[0]):
+            got["experts"][(t, s)], got["experts_in"][(t, s)], got["expert_of"][(t, s)] = row.clone(), x.clone(), e
+
+    def combine_hook(m, args, out):
+        for (t, s, _), row in zip(m.routing.tolist(), args[0]):
+            got["back"][(t, s)] = row.clone()
+        lo = int(m.routing[:, 0].min()) if m.routing.numel() else 0
+        for i, row in enumerate(out):
+            got["combine"][lo + i] = row.clone()
+
+    hs = [model.moe.experts.register_forward_hook(experts_hook),
+          model.moe.combine.register_forward_hook(combine_hook)]
+    try:
+        with torch.no_grad():
+            got["out"] = model(inputs())
+    finally:
+        for h in hs:
+            h.remove()
+    return got
+
+
+def worker(rank, world, root, cases):
+    """Record each case (name, mode, plant) at EP=`world` into root/name; each rank returns its hooks' captures."""
+    import torch
+
+    import divtrace
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, mode, plant in cases:
+        m = build(world, rank, plant)
+        with torch.no_grad(), divtrace.record(m, os.path.join(root, name), mode=mode, layouts=LAYOUTS,
+                                              mesh={"ep": None}):
+            m(inputs())
+        out[name] = capture(m)
+    return out
+
+
+def undeclared_worker(rank, world, root):
+    """Record with T layouts but no routing declared: the one-line DivtraceError, or None."""
+    import torch
+
+    import divtrace
+    from divtrace.errors import DivtraceError
+
+    torch.set_num_threads(1)
+    m = build(world, rank, declare=False)
+    try:
+        with torch.no_grad(), divtrace.record(m, root, layouts=LAYOUTS, mesh={"ep": None}):
+            m(inputs())
+    except DivtraceError as e:
+        return str(e)
+    return None
