@@ -24,6 +24,10 @@ def __getattr__(name):
         from divtrace.compare.bisect import bisect
 
         return bisect
+    if name == "routing":  # routing replay for MoE routers (divtrace/routing.py)
+        import importlib
+
+        return importlib.import_module("divtrace.routing")
     if name == "DivtraceError":
         from divtrace.errors import DivtraceError
 
