@@ -70,29 +70,25 @@ def _plant_near_tie(model, ids) -> None:
     raise AssertionError("no near-tie flip could be planted")
 
 
-def bf16_router(gate) -> None:
-    """Side b's router: softmax and top-k over bf16 scores (ties where float32 has none)."""
+def _router(gate, scores_dtype, renormalize) -> None:
+    """Replace `gate`'s forward: softmax and top-k over scores in `scores_dtype`, weights back in float32 and
+    renormalized by `renormalize(top)`."""
     def forward(self, hidden_states):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         logits = torch.nn.functional.linear(hidden_states, self.weight)
-        probs = torch.softmax(logits.bfloat16(), dim=-1)
-        top, idx = torch.topk(probs, self.top_k, dim=-1)
-        top = top.float()
-        top /= top.sum(dim=-1, keepdim=True)
-        return logits, top, idx
+        top, idx = torch.topk(torch.softmax(logits.to(scores_dtype), dim=-1), self.top_k, dim=-1)
+        return logits, renormalize(top.float()), idx
     gate.forward = types.MethodType(forward, gate)
+
+
+def bf16_router(gate) -> None:
+    """Side b's router: softmax and top-k over bf16 scores (ties where float32 has none)."""
+    _router(gate, torch.bfloat16, lambda top: top / top.sum(dim=-1, keepdim=True))
 
 
 def weights_other_order(gate) -> None:
     """Side b's router: the same experts, the chosen weights renormalized as a * (1/sum) (other bits)."""
-    def forward(self, hidden_states):
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        logits = torch.nn.functional.linear(hidden_states, self.weight)
-        probs = torch.softmax(logits.float(), dim=-1)
-        top, idx = torch.topk(probs, self.top_k, dim=-1)
-        top = top * (1.0 / top.sum(dim=-1, keepdim=True))
-        return logits, top, idx
-    gate.forward = types.MethodType(forward, gate)
+    _router(gate, torch.float32, lambda top: top * (1.0 / top.sum(dim=-1, keepdim=True)))
 
 
 def expert_kernel(experts, which: int = 1) -> None:

@@ -168,3 +168,53 @@ def test_an_expert_kernel_difference_is_not_a_routing_difference(tmp_path):
         assert r["first"]["module"] == "model.layers.0.mlp.experts"
         assert r["first"]["routing"] is None
         assert all(o.get("routing") is None for o in r.get("origins", []))
+
+
+def test_the_report_prints_the_routing_line_and_replay_refuses_bad_input(tmp_path):
+    import subprocess
+    import sys
+
+    model, ids = rc.mixtral()
+    _run(model, ids, tmp_path / "a", "hash")
+    model, ids = rc.mixtral()
+    rc.bf16_router(model.model.layers[0].mlp.gate)
+    _run(model, ids, tmp_path / "b", "hash")
+    p = subprocess.run([sys.executable, "-m", "divtrace", "bisect", str(tmp_path / "a"), str(tmp_path / "b")],
+                       capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "400"})
+    assert p.returncode == 1
+    line = next(x for x in p.stdout.splitlines() if "routing" in x and "router top-k" in x)
+    assert "expert choice differs for 1 of 24 tokens" in line and "tie at margin 0 on b" in line
+
+    with pytest.raises(divtrace.DivtraceError, match="no module 'model.nope'"):
+        with divtrace.routing.replay(model, {"model.nope": torch.zeros(24, 2, dtype=torch.long)}):
+            pass
+    gate = "model.layers.0.mlp.gate"
+    with pytest.raises(divtrace.DivtraceError, match="the ids given have shape"):
+        with torch.no_grad(), divtrace.routing.replay(model, {gate: torch.zeros(3, 2, dtype=torch.long)}):
+            model(input_ids=ids, use_cache=False)
+    with pytest.raises(divtrace.DivtraceError, match="called 2 times"):
+        with torch.no_grad(), divtrace.routing.replay(model, {gate: [torch.zeros(24, 2, dtype=torch.long)]}):
+            model(input_ids=ids, use_cache=False)
+            model(input_ids=ids, use_cache=False)
+
+
+@pytest.mark.parametrize("mode", ["hash", "full"])
+def test_the_margin_is_made_without_host_reads_on_the_device_path(tmp_path, monkeypatch, mode):
+    """The device path (what a GPU takes), forced on the CPU under traps for host reads in divtrace's bookkeeping:
+    the margins cost no read, and the trace is the CPU path's, margins included."""
+    from test_device_path import record, trapped
+
+    model, ids = rc.mixtral()
+    run = lambda m: m(input_ids=ids, use_cache=False)
+    record(model, tmp_path / "cpu", run, device=False, mode=mode)
+    trap, caught = trapped(monkeypatch)
+    with trap:
+        record(model, tmp_path / "dev", run, device=True, mode=mode)
+    assert caught == [] and trap.checked > 100
+    # (not the whole trace: the experts' own empty_like buffers hold whatever memory held)
+    margins = []
+    for side in ("cpu", "dev"):
+        t = divtrace.open_trace(tmp_path / side)
+        margins.append([t.values[t.records[i].outputs[0]].hash for i, op in enumerate(t.rop)
+                        if op == "divtrace.topk_margin.default"])
+    assert len(margins[0]) == len(model.model.layers) and margins[0] == margins[1]

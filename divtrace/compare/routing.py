@@ -73,6 +73,12 @@ def compare_rows(rows: list) -> dict:
                      "cause": _margin_words(ma, mb, ra.parts["dtype"], rb.parts["dtype"])})
         if len(flips) < _MAX_FLIPS:
             flips.append(flip)
+    if rows and all(desc.get("row", 0) is None for desc, _, _ in rows):  # whole values: no rows to compare
+        why = (f"router: expert ids {'differ' if choice else 'equal'}, routing weights "
+               f"{'differ' if weights else 'equal'} (whole values: hash mode without token identity has no rows "
+               "per token; record with --mode full, or with token identity, to compare each token)")
+        return {"tokens": None, "choice_differs": None, "order_differs": None, "weights_differ": None,
+                "own_choice_differs": None, "flips": [], "why": why}
     return {"tokens": n, "choice_differs": choice, "order_differs": order, "weights_differ": weights,
             "own_choice_differs": own, "flips": flips, "why": _why(n, choice, order, weights, own, flips, hashed)}
 
@@ -92,7 +98,8 @@ def _why(n, choice, order, weights, own, flips, hashed) -> str:
     if order:
         parts.append(f"slot order differs for {order} tokens (same experts)")
     if own:
-        parts.append(f"the router's own top-k chose otherwise for {own} token{'s' if own != 1 else ''} whose returned ids agree (replayed)")
+        parts.append(f"the router's own top-k chose otherwise for {own} token{'s' if own != 1 else ''} whose returned "
+                     "ids agree (replayed)")
     if weights:
         parts.append(f"routing weights differ for {weights} of {n} tokens")
     elif not choice and not order:
@@ -107,34 +114,33 @@ def _token_words(desc: dict) -> str:
     if "position" in desc:
         s = desc.get("seq") or {}
         return f"token at position {desc['position']} of sequence {s.get('number', '?')}"
-    return f"call {desc.get('call')} row {desc['row']}" if desc.get("row") is not None else "the router's values (no token rows)"
+    if desc.get("row") is None:
+        return "the router's values (no token rows)"
+    return f"call {desc.get('call')} row {desc['row']}"
 
 
 def annotate(result, ta, tb) -> None:
     """Add `routing` to each origin of `result` that a router made (in place)."""
-    from divtrace.align.tokens import TraceTokens
-
-    try:
-        sa, sb = getattr(result, "token_sides", None) or (TraceTokens(ta), TraceTokens(tb))
-        tokens = sa.has_tokens and sb.has_tokens
-    except Exception:  # a trace without token identity: rows by index (full mode) or whole values
-        sa = sb = None
-        tokens = False
     divs = [result.first] if result.first is not None else []
     dicts = getattr(result, "origins", None) or []
     pairs = list(zip(dicts, getattr(result, "origin_divs", []) or []))
-    for d in divs + [x for _, x in pairs if x is not None and x is not result.first]:
-        if getattr(d, "routing", None) is None:
-            d.routing = _routing_of(d, ta, tb, sa, sb, tokens)
+    divs += [x for _, x in pairs if x is not None and x is not result.first]
+    ba = getattr(ta, "trace", ta)
+    calls_a = list(ba.calls.values()) if isinstance(ba.calls, dict) else list(ba.calls)
+    routers = [d for d in divs if getattr(d, "routing", None) is None
+               and any(c.module == d.module and router_parts(ba, c) is not None for c in calls_a)]
+    if not routers:  # (nothing more is read: a hash bisect imports neither torch nor numpy)
+        return
+    sides = getattr(result, "token_sides", None)
+    if sides is None:
+        from divtrace.align.tokens import TraceTokens
+
+        sides = (TraceTokens(ba), TraceTokens(getattr(tb, "trace", tb)))
+    tokens = sides[0].has_tokens and sides[1].has_tokens
+    bb = getattr(tb, "trace", tb)
+    for d in routers:
+        rows = token_rows(d, ba, bb, *sides) if tokens else whole_rows(d, ba, bb)
+        d.routing = compare_rows(rows) if rows else None
     for dct, d in pairs:
         if d is not None and d.routing is not None:
             dct["routing"] = d.routing
-
-
-def _routing_of(d, ta, tb, sa, sb, tokens: bool) -> dict | None:
-    ta, tb = getattr(ta, "trace", ta), getattr(tb, "trace", tb)
-    calls_a = [c for c in ta.calls.values()] if isinstance(ta.calls, dict) else list(ta.calls)
-    if not any(c.module == d.module and router_parts(ta, c) is not None for c in calls_a):
-        return None
-    rows = token_rows(d, ta, tb, sa, sb) if tokens else whole_rows(d, ta, tb)
-    return compare_rows(rows) if rows else None

@@ -13,8 +13,6 @@ In: an aten.topk call's arguments. Out: the margin tensor (one element per row o
 """
 from __future__ import annotations
 
-import torch
-
 OP = "divtrace.topk_margin.default"
 
 
@@ -29,6 +27,8 @@ def topk_args(args, kwargs) -> tuple:
 def topk_margin(x, k, dim=-1, largest=True):
     """Per row of `x` along `dim`: last chosen score minus first unchosen (for largest=False the other way round),
     in a dtype where that subtraction is exact; None where there is no unchosen score or no float scores."""
+    import torch  # (this module's OP is read by bisect, which never imports torch for hash traces)
+
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0 or type(k) is not int:
         return None
     n = x.shape[dim]
