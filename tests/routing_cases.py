@@ -70,13 +70,19 @@ def _plant_near_tie(model, ids) -> None:
     raise AssertionError("no near-tie flip could be planted")
 
 
-def _router(gate, scores_dtype, renormalize) -> None:
+def _router(gate, scores_dtype, renormalize, reversed_ties: bool = False) -> None:
     """Replace `gate`'s forward: softmax and top-k over scores in `scores_dtype`, weights back in float32 and
-    renormalized by `renormalize(top)`."""
+    renormalized by `renormalize(top)`; `reversed_ties`: the top-k runs over the experts in reverse order (a kernel
+    that breaks ties the other way)."""
     def forward(self, hidden_states):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         logits = torch.nn.functional.linear(hidden_states, self.weight)
-        top, idx = torch.topk(torch.softmax(logits.to(scores_dtype), dim=-1), self.top_k, dim=-1)
+        probs = torch.softmax(logits.to(scores_dtype), dim=-1)
+        if reversed_ties:
+            top, idx = torch.topk(probs.flip(-1), self.top_k, dim=-1)
+            idx = probs.shape[-1] - 1 - idx
+        else:
+            top, idx = torch.topk(probs, self.top_k, dim=-1)
         return logits, renormalize(top.float()), idx
     gate.forward = types.MethodType(forward, gate)
 
@@ -84,6 +90,11 @@ def _router(gate, scores_dtype, renormalize) -> None:
 def bf16_router(gate) -> None:
     """Side b's router: softmax and top-k over bf16 scores (ties where float32 has none)."""
     _router(gate, torch.bfloat16, lambda top: top / top.sum(dim=-1, keepdim=True))
+
+
+def bf16_router_other_ties(gate) -> None:
+    """bf16_router whose top-k breaks ties the other way (same scores, same margins)."""
+    _router(gate, torch.bfloat16, lambda top: top / top.sum(dim=-1, keepdim=True), reversed_ties=True)
 
 
 def weights_other_order(gate) -> None:

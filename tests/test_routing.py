@@ -129,7 +129,7 @@ def test_replayed_ids_remove_the_flip_and_leave_the_weights(tmp_path, mode):
     ro = f["routing"]
     assert ro["choice_differs"] == 0 and ro["order_differs"] == 0 and ro["flips"] == []
     assert ro["weights_differ"] == len(weights_differ)
-    assert ro["own_choice_differs"] == 1  # the router's own top-k still flips; its returned ids are the replayed
+    assert ro["own_choice_differs"] == 1  # the router's own top-k still flips; the ids it returns are the replayed
     n = ga[("gate", 0)][2].shape[0]
     assert ro["why"].startswith(f"expert ids equal on all {n} tokens, routing weights differ for "
                                 f"{len(weights_differ)}")
@@ -218,3 +218,29 @@ def test_the_margin_is_made_without_host_reads_on_the_device_path(tmp_path, monk
         margins.append([t.values[t.records[i].outputs[0]].hash for i, op in enumerate(t.rop)
                         if op == "divtrace.topk_margin.default"])
     assert len(margins[0]) == len(model.model.layers) and margins[0] == margins[1]
+
+
+@pytest.mark.parametrize("mode", ["full", "hash"])
+def test_one_tie_broken_two_ways_is_the_top_k_itself(tmp_path, mode):
+    """Both sides score in bf16 (equal scores, the planted tie on both); b's top-k breaks ties the other way."""
+    model, ids = rc.mixtral()
+    rc.bf16_router(model.model.layers[0].mlp.gate)
+    ga = _run(model, ids, tmp_path / "a", mode)
+    model, ids = rc.mixtral()
+    rc.bf16_router_other_ties(model.model.layers[0].mlp.gate)
+    gb = _run(model, ids, tmp_path / "b", mode)
+    ids_a, ids_b = ga[("gate", 0)][2], gb[("gate", 0)][2]
+    flipped = [r for r in range(ids_a.shape[0]) if set(ids_a[r].tolist()) != set(ids_b[r].tolist())]
+    row = rc.TOKEN[0] * ids.shape[1] + rc.TOKEN[1]
+    assert row in flipped
+
+    for align in ("calls", "tokens"):
+        f = divtrace.bisect(tmp_path / "a", tmp_path / "b", align=align).to_dict()["first"]
+        assert f["module"] == "model.layers.0.mlp.gate" and f["cause"] == "origin"
+        assert f["op"] == "aten.topk.default"  # its input is equal on both sides: the top-k is the origin
+        ro = f["routing"]
+        assert ro["choice_differs"] == len(flipped)
+        flip = next(x for x in ro["flips"] if x["token"]["position"] == rc.TOKEN[1]
+                    and x["token"]["a"]["batch_row"] == rc.TOKEN[0])
+        assert flip["margin_a"] == 0.0 and flip["margin_b"] == 0.0
+        assert flip["cause"] == "tie broken differently at margin 0 (top-k over bfloat16 scores on both)"

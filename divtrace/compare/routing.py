@@ -32,7 +32,8 @@ def _short(dtype: str | None) -> str:
 def _margin_words(ma, mb, da: str, db: str) -> str | None:
     """The cause of one flipped choice, from the two margins (None: not proven)."""
     if ma == 0 and mb == 0:
-        return f"tie broken differently at margin 0 (top-k over {_short(da)} scores on a, {_short(db)} on b)"
+        over = f"{_short(da)} scores on both" if da == db else f"{_short(da)} scores on a, {_short(db)} on b"
+        return f"tie broken differently at margin 0 (top-k over {over})"
     for s, m, o, mo, d, do in (("a", ma, "b", mb, da, db), ("b", mb, "a", ma, db, da)):
         if m == 0:
             tail = f", margin {_pow2(mo)} on {o} ({_short(do)} scores)" if mo is not None else ""
@@ -98,8 +99,8 @@ def _why(n, choice, order, weights, own, flips, hashed) -> str:
     if order:
         parts.append(f"slot order differs for {order} tokens (same experts)")
     if own:
-        parts.append(f"the router's own top-k chose otherwise for {own} token{'s' if own != 1 else ''} whose returned "
-                     "ids agree (replayed)")
+        parts.append(f"the top-k's own indices differ for {own} token{'s' if own != 1 else ''} whose returned ids "
+                     "agree (ids replayed or remapped after the top-k)")
     if weights:
         parts.append(f"routing weights differ for {weights} of {n} tokens")
     elif not choice and not order:
