@@ -28,6 +28,10 @@ def __getattr__(name):
         from divtrace.record import routed
 
         return routed
+    if name == "routing":  # routing replay for MoE routers (divtrace/routing.py)
+        import importlib
+
+        return importlib.import_module("divtrace.routing")
     if name == "DivtraceError":
         from divtrace.errors import DivtraceError
 

@@ -335,7 +335,7 @@ def audit(path, *, under: str | None = None, device: str | None = None, progress
     selected = []
     for i in range(len(t.rop)):
         op = t.rop[i]
-        if op is None:
+        if op is None or op.startswith("divtrace."):  # divtrace's own derived values (the top-k margin)
             continue
         rec = t.records[i]
         if is_computing(rec, t) or op_short(op) == "embedding":

@@ -55,6 +55,8 @@ def render_bisect(o: Output, r) -> None:
             rows.append(["differs in", f["reason"]])
         if f["outside_input"]:
             rows.append(["outside input", f["outside_input"]])
+        if f.get("routing"):  # an MoE router: each token's expert ids, weights, slot order (docs/sharded.md)
+            rows.append(["routing", f["routing"]["why"]])
         if f.get("shards"):  # a side is a sharded run: how each side computed it (docs/sharded.md)
             sh = f["shards"]
             rows.append(["layouts", sh["why"]])

@@ -99,7 +99,12 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
 
 
 def _sharded(result: BisectResult, ta, tb) -> BisectResult:
-    """A side that is a run directory: say how each side computed the origin (divtrace.compare.shard_cause)."""
+    """A side that is a run directory: say how each side computed the origin (divtrace.compare.shard_cause). An
+    origin that is an MoE router: what differs about each token's routing (divtrace.compare.routing)."""
+    if result.first is not None:
+        from divtrace.compare.routing import annotate as routing
+
+        routing(result, ta, tb)
     if getattr(ta, "run", None) is not None or getattr(tb, "run", None) is not None:
         from divtrace.compare.shard_cause import annotate
 

@@ -65,6 +65,9 @@ class Divergence:
     outside_input: str | None = None
     # Where a side is a sharded run: how each side computed the value, in words (divtrace.compare.shard_cause)
     shards: dict | None = None
+    # Where the origin is an MoE router: each token's expert ids, weights and slot order compared, and the cause
+    # of a flipped choice (divtrace.compare.routing)
+    routing: dict | None = None
 
     def to_dict(self) -> dict:
         d = {"index": self.index, "module": self.module, "call": self.call, "op": self.op, "op_b": self.op_b,
@@ -78,6 +81,7 @@ class Divergence:
             d[k] = m.get(k)
         d["metrics_available"] = self.diff is not None
         d["shards"] = self.shards
+        d["routing"] = self.routing
         return d
 
 

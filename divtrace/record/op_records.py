@@ -169,7 +169,23 @@ class OpRecorder:
             enc_out = self._encode_out(got, vid_by_id) if writes is None else {"$writes": writes}
             rec = OpRecord(index, owner, name, enc_args, enc_kwargs, vids, out_vids, enc_out)
             self.writer.append(rec, values)
+            if name == "aten.topk.default" and pl is None:
+                self._topk_margin(owner, args, kwargs, local, vids)
         return out
+
+    def _topk_margin(self, owner, args, kwargs, local, vids) -> None:
+        """Record each row's top-k margin right after the top-k (divtrace.record.topk_margin)."""
+        from divtrace.record.topk_margin import OP, topk_args, topk_margin
+
+        x, k, dim, largest = topk_args(args, kwargs)
+        m = topk_margin(x, k, dim, largest)
+        if m is None or not vids:
+            return
+        index = self._take_index()
+        values: list = []
+        mv = self._produced(m, index, [local.get(id(x), x)], values, OP, None, False, None)
+        rec = OpRecord(index, owner, OP, [{"$v": vids[0]}, k, dim, bool(largest)], {}, [vids[0]], [mv], {"$v": mv})
+        self.writer.append(rec, values)
 
     def _note_writes(self, func, args, kwargs) -> None:
         """Count in-place writes per storage: inference tensors have no version counter of their own, and other
