@@ -95,3 +95,38 @@ def combine_in_order(back: dict, weights: dict, token: int, order: list):
     for s in order[1:]:
         y = y + weights[token][s:s + 1] * back[(token, s)]
     return y
+
+
+def flipped(model):
+    """The experts computing each expert's rows in reverse order (flipped, computed, flipped back): the same
+    values, by ops (aten.flip) whose rows divtrace does not follow."""
+    import torch
+
+    inner = model.moe.experts.forward
+
+    def forward(rows, counts):
+        def per_expert(x):
+            out, start = [], 0
+            for c in counts:
+                out.append(x[start:start + c].flip(0))
+                start += c
+            return torch.cat(out)
+
+        return per_expert(inner(per_expert(rows), counts))
+
+    model.moe.experts.forward = forward
+    return model
+
+
+def flipped_worker(rank, world, root, cases):
+    """As `worker`, with the experts flipped (see `flipped`)."""
+    import torch
+
+    import divtrace
+
+    torch.set_num_threads(1)
+    for name, mode, plant in cases:
+        m = flipped(build(world, rank, plant))
+        with torch.no_grad(), divtrace.record(m, os.path.join(root, name), mode=mode, layouts=LAYOUTS,
+                                              mesh={"ep": None}):
+            m(inputs())

@@ -10,7 +10,7 @@ import divtrace
 from dist_harness import run_ranks
 from divtrace.trace.reader import Trace
 from moe_cases import EXPERTS, TOPK
-from moe_ops_cases import combine_in_order, planted_op, worker
+from moe_ops_cases import combine_in_order, flipped_worker, planted_op, worker
 from sharded_cases import bits_equal
 
 CASES = [("kernel-full", "full", "kernel"), ("kernel-hash", "hash", "kernel"), ("combine-full", "full", "combine"),
@@ -33,6 +33,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_ops")
     ep2 = run_ranks(worker, 2, str(root / "ep2"), CASES)
     ep1 = run_ranks(worker, 1, str(root / "ep1"), [(n, m, None) for n, m, _ in CASES])
+    run_ranks(flipped_worker, 2, str(root / "flipped"), CASES[:2])
     return root, {n: (ep2, ep1) for n, _, _ in CASES}
 
 
@@ -129,3 +130,21 @@ def test_combine_order_named_where_it_reproduces_each_side(runs, mode):
         assert sh["why"].startswith(f"combine: combines routed rows that are equal on a and b, and its output "
                                     f"differs at tokens {differ}: the order in which a token's slots are summed, "
                                     "or the sum's kernel, differs (a: sort, ")
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("mode", ["full", "hash"])
+def test_op_not_named_where_the_rows_are_not_followed(runs, mode):
+    """The EP side's experts flip each expert's rows before computing them (aten.flip: no rule follows its rows):
+    the module and rows are still named, the op is not, and the note says why, listing rank 1's ops on the row."""
+    root, got = runs
+    name = f"kernel-{mode}"
+    r = divtrace.bisect(str(root / "flipped" / name), str(root / "ep1" / name))
+    assert r.verdict == "diverged" and r.first.module == "moe.experts", r.to_dict()["first"]
+    sh = r.first.shards
+    ref = divtrace.bisect(str(root / "ep2" / name), str(root / "ep1" / name)).first.shards
+    assert sh["rows"] == ref["rows"]
+    t, s = sh["rows"][0]["token"], sh["rows"][0]["slot"]
+    assert sh["op"] is None and sh["op_note"].startswith(f"rank 1 of a and rank 0 of b run other ops on row (token "
+                                                         f"{t}, slot {s}) (a: slice #"), sh
+    assert sh["why"].endswith(f"; the op is not named: {sh['op_note']}")
