@@ -64,19 +64,23 @@ def truth(model, world: int) -> dict:
 
 
 def worker(rank, world, root, cases):
-    """Record each case (name, mode, plant) at EP=`world` into root/name; return each case's ground truth."""
-    import torch
+    """Record each case (name, mode, plant) at EP=`world` into root/name (moe_cases.worker); return each case's
+    ground truth, taken on a model built again (the same seeded weights)."""
+    import moe_cases
 
-    import divtrace
+    moe_cases.worker(rank, world, root, cases)
+    return {name: truth(build(world, rank, plant), world) for name, _, plant in cases}
 
-    torch.set_num_threads(1)
+
+def merge(per_rank, skip=("ops",)):
+    """Every rank's captures of one case, keyed globally (by (token, slot) or token); the keys in `skip` left out."""
     out = {}
-    for name, mode, plant in cases:
-        m = build(world, rank, plant)
-        with torch.no_grad(), divtrace.record(m, os.path.join(root, name), mode=mode, layouts=LAYOUTS,
-                                              mesh={"ep": None}):
-            m(inputs())
-        out[name] = truth(m, world)
+    for caps in per_rank:
+        for k, v in caps.items():
+            if isinstance(v, dict):
+                out.setdefault(k, {}).update(v)
+            elif k not in skip:
+                out[k] = v
     return out
 
 
@@ -119,7 +123,7 @@ def flipped(model):
 
 
 def flipped_worker(rank, world, root, cases):
-    """As `worker`, with the experts flipped (see `flipped`)."""
+    """Record each case at EP=`world` with the experts flipped (see `flipped`)."""
     import torch
 
     import divtrace
@@ -127,6 +131,5 @@ def flipped_worker(rank, world, root, cases):
     torch.set_num_threads(1)
     for name, mode, plant in cases:
         m = flipped(build(world, rank, plant))
-        with torch.no_grad(), divtrace.record(m, os.path.join(root, name), mode=mode, layouts=LAYOUTS,
-                                              mesh={"ep": None}):
+        with torch.no_grad(), divtrace.record(m, os.path.join(root, name), mode=mode, layouts=LAYOUTS, mesh={"ep": None}):
             m(inputs())

@@ -14,22 +14,11 @@ import divtrace
 from divtrace.errors import DivtraceError
 from dist_harness import run_ranks
 from moe_cases import EXPERTS, TOPK, undeclared_worker, worker
+from moe_ops_cases import merge
 from sharded_cases import bits_equal
 
 CASES = [("none-full", "full", None), ("none-hash", "hash", None), ("kernel-full", "full", "kernel"),
          ("kernel-hash", "hash", "kernel"), ("combine-full", "full", "combine"), ("combine-hash", "hash", "combine")]
-
-
-def _merge(per_rank):
-    """Every rank's hook captures of one case, keyed globally (by (token, slot) or token)."""
-    out = {}
-    for caps in per_rank:
-        for k, v in caps.items():
-            if isinstance(v, dict):
-                out.setdefault(k, {}).update(v)
-            else:
-                out[k] = v
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +26,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     ep2 = run_ranks(worker, 2, str(root / "ep2"), CASES)
     ep1 = run_ranks(worker, 1, str(root / "ep1"), [(n, m, None) for n, m, _ in CASES])
-    truth = {n: (_merge([r[n] for r in ep2]), _merge([r[n] for r in ep1])) for n, _, _ in CASES}
+    truth = {n: (merge([r[n] for r in ep2], ()), merge([r[n] for r in ep1], ())) for n, _, _ in CASES}
     return root, truth
 
 

@@ -10,22 +10,11 @@ import divtrace
 from dist_harness import run_ranks
 from divtrace.trace.reader import Trace
 from moe_cases import EXPERTS, TOPK
-from moe_ops_cases import combine_in_order, flipped_worker, planted_op, worker
+from moe_ops_cases import combine_in_order, flipped_worker, merge, planted_op, worker
 from sharded_cases import bits_equal
 
 CASES = [("kernel-full", "full", "kernel"), ("kernel-hash", "hash", "kernel"), ("combine-full", "full", "combine"),
          ("combine-hash", "hash", "combine")]
-
-
-def _merge(per_rank):
-    out = {}
-    for caps in per_rank:
-        for k, v in caps.items():
-            if isinstance(v, dict):
-                out.setdefault(k, {}).update(v)
-            elif k != "ops":
-                out[k] = v
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +40,7 @@ def test_planted_kernel_named_at_its_op_on_its_rank(runs, mode):
     root, got = runs
     name = f"kernel-{mode}"
     ep2, ep1 = got[name]
-    a, b = _merge([r[name] for r in ep2]), _merge([r[name] for r in ep1])
+    a, b = merge([r[name] for r in ep2]), merge([r[name] for r in ep1])
     differ = sorted(k for k in a["experts"] if not bits_equal(a["experts"][k], b["experts"][k]))
     assert differ and {a["expert_of"][k] for k in differ} == {EXPERTS - 1}
     # which rank ran the planted op, and where in its experts call; the 1-rank run's counterpart
@@ -99,7 +88,7 @@ def test_combine_order_named_where_it_reproduces_each_side(runs, mode):
     root, got = runs
     name = f"combine-{mode}"
     ep2, ep1 = got[name]
-    a, b = _merge([r[name] for r in ep2]), _merge([r[name] for r in ep1])
+    a, b = merge([r[name] for r in ep2]), merge([r[name] for r in ep1])
     tokens = sorted(a["combine"])
     per_rank = EXPERTS // 2
 
