@@ -14,22 +14,11 @@ import divtrace
 from divtrace.errors import DivtraceError
 from dist_harness import run_ranks
 from moe_cases import EXPERTS, TOPK, undeclared_worker, worker
+from moe_ops_cases import merge
 from sharded_cases import bits_equal
 
 CASES = [("none-full", "full", None), ("none-hash", "hash", None), ("kernel-full", "full", "kernel"),
          ("kernel-hash", "hash", "kernel"), ("combine-full", "full", "combine"), ("combine-hash", "hash", "combine")]
-
-
-def _merge(per_rank):
-    """Every rank's hook captures of one case, keyed globally (by (token, slot) or token)."""
-    out = {}
-    for caps in per_rank:
-        for k, v in caps.items():
-            if isinstance(v, dict):
-                out.setdefault(k, {}).update(v)
-            else:
-                out[k] = v
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +26,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     ep2 = run_ranks(worker, 2, str(root / "ep2"), CASES)
     ep1 = run_ranks(worker, 1, str(root / "ep1"), [(n, m, None) for n, m, _ in CASES])
-    truth = {n: (_merge([r[n] for r in ep2]), _merge([r[n] for r in ep1])) for n, _, _ in CASES}
+    truth = {n: (merge([r[n] for r in ep2], ()), merge([r[n] for r in ep1], ())) for n, _, _ in CASES}
     return root, truth
 
 
@@ -80,6 +69,7 @@ def test_planted_expert_kernel_found_at_its_rows(runs, mode):
     t, s = rows[0]
     assert r.first.shards["why"].startswith(f"experts: routed rows computed on 2 ranks on a, 1 on b; the rows that "
                                             f"differ: (token {t}, slot {s}: expert {EXPERTS - 1} on rank 1 of a)")
+    assert r.first.shards["op"]["rank_a"] == 1  # the op on that rank (tests/test_sharded_routed_ops.py)
     if mode == "full":  # the first differing element lies in the first differing row (token * top_k + slot)
         assert r.first.shards["block_a"] == f"rank 1's routed row (token {t}, slot {s})"
         assert r.first.diff.first_index[0] == t * TOPK + s
@@ -102,11 +92,15 @@ def test_planted_combine_order_found_at_its_tokens(runs, mode):
     half = len(a["combine"]) // 2
     assert all(x["rank_a"] == (x["token"] >= half) for x in got), got
     assert [o for _, o in r.first.region_a][0] == "aten.sort.stable"  # the rank order: the slots sorted by expert
-    assert r.first.shards["why"].startswith(f"combine: combines routed rows that are equal on a and b, and its output "
-                                            f"differs at tokens {tokens}: the order in which a token's slots are "
-                                            "summed, or the sum's kernel, differs (a: sort, "), r.first.shards
-    if mode == "full":
+    if mode == "full":  # the orders are named (tests/test_sharded_routed_ops.py holds them to ground truth)
         assert r.first.diff.first_index[0] == tokens[0]
+        assert r.first.shards["why"].startswith("combine: combine order differs: a sums slots in rank order, b in "
+                                                "routing order"), r.first.shards
+    else:
+        assert r.first.shards["why"].startswith(f"combine: combines routed rows that are equal on a and b, and its "
+                                                f"output differs at tokens {tokens}: the order in which a token's "
+                                                "slots are summed, or the sum's kernel, differs (a: sort, "), \
+            r.first.shards
 
 
 @pytest.mark.gloo

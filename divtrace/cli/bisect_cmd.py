@@ -46,7 +46,8 @@ def render_bisect(o: Output, r) -> None:
         rows = [["module", f"{f['module'] or '<root>'} (call {f['call']})"
                  + (f"  [b: {f['module_b']}]" if f["module_b"] not in (None, f["module"]) else "")],
                 ["op", f"a: {f['op'] or '-'} (record {f['index']})   b: {f['op_b'] or '-'}"
-                 + (f" (record {f['index_b']})" if f["index_b"] is not None else "")],
+                 + (f" (record {f['index_b']})" if f["index_b"] is not None else "")
+                 if not (f.get("shards") or {}).get("op") else _routed_op_line(f["shards"]["op"])],
                 ["cause", f["cause"] + ("  (inputs already differ; could not go further)" if f["cause"] != "origin"
                                         else "  (an input no recorded op made differs; see below)"
                                         if f["outside_input"] else "  (inputs bitwise equal, output differs)")],
@@ -187,3 +188,9 @@ def bisect(
             if p is not None:
                 o.line(f"wrote {p}")
     return r.exit_code
+
+
+def _routed_op_line(x: dict) -> str:
+    """The op that computed the first differing routed row, on its rank (docs/sharded.md, "Routed rows")."""
+    return (f"a: {x['op_a']} (record {x['index_a']} on rank {x['rank_a']})   b: {x['op_b']} (record {x['index_b']} on "
+            f"rank {x['rank_b']})")

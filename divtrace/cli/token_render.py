@@ -17,6 +17,9 @@ def _ops_text(x: dict) -> str:
 def origin_words(f, token: dict | None = None) -> str:
     """"model.layers.0.self_attn call 0 op X (a) / Y (b) at token position 12 of sequence 2c527a56"."""
     ops = f" op {f.op}" + (f" (a) / {f.op_b} (b)" if f.op_b and f.op_b != f.op else "") if f.op or f.op_b else ""
+    routed = (getattr(f, "shards", None) or {}).get("op")
+    if routed:  # expert parallelism: the op on the rank that computed the first differing row (docs/sharded.md)
+        ops = f" op {routed['op_a']} on rank {routed['rank_a']} of a (record {routed['index_a']})"
     at = f" at token position {token['position']} of sequence {token['seq']['id']}" if token else ""
     return f"{f.module or '<root>'} call {f.call}{ops}{at}"
 

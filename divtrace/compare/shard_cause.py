@@ -203,11 +203,24 @@ def describe(d, ta, tb) -> dict | None:
     out["why"] = f"{module}: {out['a']} on a, {out['b']} on b"
     if rows and "slot" in rows[0]:  # routed rows: which (token, slot) rows, computed where
         out["why"] = _routed_why(module, rows, [_rank_count(t, v) for t, v in ((ta, d.vid_a), (tb, d.vid_b))])
+        from divtrace.compare.shard_ops import op_words, routed_op
+
+        out["op"], note = routed_op(d, ta, tb, rows)  # the op, on the rank that computed the first differing row
+        out["why"] += f"; {op_words(out['op'])}" if out["op"] else f"; the op is not named: {note}"
+        if note:
+            out["op_note"] = note
     elif _sums_equal_routed_rows(d, ta, tb) and rows:
         tokens = [x["token"] for x in rows]
         out["why"] = (f"{module}: combines routed rows that are equal on a and b, and its output differs at tokens "
                       f"{_few(tokens)}: the order in which a token's slots are summed, or the sum's kernel, differs "
                       f"(a: {out['a']}; b: {out['b']})")
+        from divtrace.compare.shard_ops import combine_orders, combine_words
+
+        out["combine"], note = combine_orders(d, ta, tb)  # full mode: the order that reproduces each side's sums
+        if out["combine"]:
+            out["why"] = combine_words(module, out["combine"], tokens, _few)
+        else:
+            out["combine_note"] = note
     return out
 
 
