@@ -151,3 +151,18 @@ def test_hash_mode_moves_no_tensor_bytes(runs):
         for name in ("flip-hash", "bf16-hash", "replay-bf16-hash", "replay-renorm-hash"):
             plain_calls, plain_bytes, rec_calls, rec_bytes = caps[name]["calls"]
             assert rec_calls == plain_calls and rec_bytes == plain_bytes and plain_calls
+
+
+def test_an_outputs_spec_is_accepted_and_bad_keys_are_named(tmp_path):
+    """`"outputs"` is a spec key (every tensor of a module's output); a dict with another key is a one-line
+    DivtraceError when record(...) is called (outside a process group too, where the specs are checked)."""
+    from torch import nn
+
+    m = nn.Sequential(nn.Linear(4, 4))
+    with divtrace.record(m, str(tmp_path / "ok"), layouts={r"0": {"input": "S(0)", "outputs": "S(0)"}}):
+        m(torch.zeros(2, 4))
+    for layouts, msg in [({r"0": {"outs": "S(0)"}}, "a dict spec has 'output', 'outputs' and/or 'input', got ['outs']")]:
+        with pytest.raises(divtrace.DivtraceError) as e:
+            with divtrace.record(m, str(tmp_path / "t"), layouts=layouts, overwrite=True):
+                pass
+        assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
