@@ -42,13 +42,12 @@ def runs(tmp_path_factory):
                     [(f"{c}-{m}", m, r) for m in MODES for c, r in (("flip", "fp32"), ("bf16", "bf16"))])
     forced = {f"replay-{c}-{m}": ep1[0][f"rollout-{m}"]["captured"]["moe.router"][0]
               for m in MODES for c in ("bf16", "renorm")}
-    ep2 += [None]
+    replays = (("bf16", "bf16"), ("renorm", "fp32-renorm"))
     got = run_ranks(routing_worker, 2, str(root / "ep2"),
-                    [(f"replay-{c}-{m}", m, r) for m in MODES for c, r in (("bf16", "bf16"), ("renorm", "fp32-renorm"))],
-                    forced)
+                    [(f"replay-{c}-{m}", m, r) for m in MODES for c, r in replays], forced)
     for rank in (0, 1):
         ep2[rank].update(got[rank])
-    return root, ep1, ep2[:2]
+    return root, ep1, ep2
 
 
 def _margins(logits: torch.Tensor, dtype) -> float:
@@ -100,6 +99,22 @@ def test_near_tie_flip_found_at_the_router_and_its_token(runs, mode, other):
 
 
 @pytest.mark.gloo
+def test_the_report_prints_the_routing_line_for_run_directories(runs):
+    import os
+    import subprocess
+    import sys
+
+    root, _, _ = runs
+    p = subprocess.run([sys.executable, "-m", "divtrace", "bisect", str(root / "ep2" / "flip-hash"),
+                        str(root / "ep1" / "flip-hash")], capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "400"})
+    assert p.returncode == 1, p.stdout + p.stderr
+    line = next(x for x in p.stdout.splitlines() if "routing" in x and "router top-k" in x)
+    assert f"expert choice differs for 1 of 12 tokens; call 0 row {TIE_TOKEN}" in line, line
+    assert "tie at margin 0 on b (top-k over bfloat16 scores)" in line, line
+
+
+@pytest.mark.gloo
 @pytest.mark.parametrize("mode", MODES)
 def test_the_margin_is_recorded_on_each_rank_as_a_block_of_the_routers_rows(runs, mode):
     """Each rank's margin follows its router's rows: a block of dim 0 of the [tokens] margin, its rows'
@@ -112,7 +127,8 @@ def test_the_margin_is_recorded_on_each_rank_as_a_block_of_the_routers_rows(runs
         got = [i for i, op in enumerate(t.rop) if op == "divtrace.topk_margin.default"]
         assert len(got) == 1
         vid = t.records[got[0]].outputs[0]
-        line = next(json.loads(x) for x in (d / "layouts.jsonl").read_text().splitlines() if json.loads(x).get("v") == vid)
+        lines = [json.loads(x) for x in (d / "layouts.jsonl").read_text().splitlines()]
+        line = next(x for x in lines if x.get("v") == vid)
         n = len(a["ids"])
         assert line["p"] == ["S0"] and line["g"] == [n] and line["o"] == [rank * n // 2] and len(line["rh"]) == n // 2
         if mode == "full":
@@ -161,8 +177,8 @@ def test_an_outputs_spec_is_accepted_and_bad_keys_are_named(tmp_path):
     m = nn.Sequential(nn.Linear(4, 4))
     with divtrace.record(m, str(tmp_path / "ok"), layouts={r"0": {"input": "S(0)", "outputs": "S(0)"}}):
         m(torch.zeros(2, 4))
-    for layouts, msg in [({r"0": {"outs": "S(0)"}}, "a dict spec has 'output', 'outputs' and/or 'input', got ['outs']")]:
-        with pytest.raises(divtrace.DivtraceError) as e:
-            with divtrace.record(m, str(tmp_path / "t"), layouts=layouts, overwrite=True):
-                pass
-        assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(divtrace.DivtraceError) as e:
+        with divtrace.record(m, str(tmp_path / "t"), layouts={r"0": {"outs": "S(0)"}}):
+            pass
+    msg = "a dict spec has 'output', 'outputs' and/or 'input', got ['outs']"
+    assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
