@@ -226,7 +226,7 @@ class Placements:
         if lay is None and module is not None and (key in ("args.0", "out", "out.0") or key.startswith("out.")):
             if self.declared is not None:
                 lay = self._module_declared(module, side, plain, key)
-            if lay is None and key != "out.0":
+            if lay is None and key in ("args.0", "out"):
                 lay = self._style_lay(module, side, plain)
         if lay is None and self._params:
             lay = self._params.get(_storage_key(plain))
