@@ -180,5 +180,5 @@ def test_an_outputs_spec_is_accepted_and_bad_keys_are_named(tmp_path):
     with pytest.raises(divtrace.DivtraceError) as e:
         with divtrace.record(m, str(tmp_path / "t"), layouts={r"0": {"outs": "S(0)"}}):
             pass
-    msg = "a dict spec has 'output', 'outputs' and/or 'input', got ['outs']"
+    msg = "a dict spec has 'output' and/or 'input', got ['outs'] (or 'outputs': every tensor of a tuple output)"
     assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -140,8 +140,8 @@ def _specs(pattern, value, groups) -> dict:
     sides = value if isinstance(value, dict) else {"output": value}
     bad = [k for k in sides if k not in _SIDES]
     if bad or not sides:
-        raise DivtraceError(f"layouts[{pattern!r}]: a dict spec has 'output', 'outputs' and/or 'input', got "
-                            f"{sorted(map(str, sides))}")
+        raise DivtraceError(f"layouts[{pattern!r}]: a dict spec has 'output' and/or 'input', got "
+                            f"{sorted(map(str, sides))} (or 'outputs': every tensor of a tuple output)")
     return {_SIDES[k]: parse_spec(v, pattern, groups) for k, v in sides.items()}
 
 
