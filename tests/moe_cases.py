@@ -33,10 +33,14 @@ def config():
                          num_experts_per_tok=TOPK)
 
 
-def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool = True):
+def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool = True, router: str | None = None):
     """The model on rank `rank` of EP=`world` (the 1-rank model's weights, which a seed fixes, this rank's experts
     of them). `plant`: None, "kernel" or "combine" (the planted side's code; the other side passes None).
-    `declare=False`: the routing is not declared (divtrace.routed is not called)."""
+    `declare=False`: the routing is not declared (divtrace.routed is not called). `router`: None (every rank
+    routes all tokens inline, then takes its share), else a `Gate` module at `moe.router` routing this rank's share
+    of the tokens, with the near-tie planted in the gate's weights (plant_tie): "fp32" (softmax in float32),
+    "bf16" (softmax and top-k over bfloat16 scores), "fp32-renorm" (float32, the chosen weights renormalized as
+    w * (1 / sum): other bits, the same experts)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -52,6 +56,23 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool
     down = torch.randn(E, H, FF, generator=g) * 0.3
     n_local = E // world
     first = rank * n_local
+    if router is not None:
+        gate_w = plant_tie(gate_w, k)
+
+    class Gate(nn.Module):
+        """This rank's tokens' routing: (logits, weights, ids), as HF's routers return them (not named *Router)."""
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(gate_w.clone())
+
+        def forward(self, x):
+            logits = F.linear(x, self.weight)
+            probs = torch.softmax(logits.to(torch.bfloat16 if router == "bf16" else torch.float32), dim=-1)
+            top, idx = torch.topk(probs, k, dim=-1)
+            top = top.float()
+            w = top * (1.0 / top.sum(-1, keepdim=True)) if router == "fp32-renorm" else top / top.sum(-1, keepdim=True)
+            return logits, w, idx
 
     class Experts(nn.Module):
         """This rank's experts: rows grouped by expert, `counts` rows each."""
@@ -87,19 +108,27 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool
     class MoE(nn.Module):
         def __init__(self):
             super().__init__()
-            self.gate = nn.Linear(H, E, bias=False)
-            self.gate.weight.data.copy_(gate_w)
+            if router is None:
+                self.gate = nn.Linear(H, E, bias=False)
+                self.gate.weight.data.copy_(gate_w)
+            else:
+                self.router = Gate()
             self.experts = Experts()
             self.combine = Combine()
 
         def forward(self, x):
             n = x.shape[0]
-            probs = torch.softmax(self.gate(x).float(), dim=-1)
-            w, ids = torch.topk(probs, k, dim=-1)
-            w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
             per = n // world
             lo = rank * per
-            xs, ids_l, w_l = x[lo:lo + per], ids[lo:lo + per], w[lo:lo + per]
+            if router is None:
+                probs = torch.softmax(self.gate(x).float(), dim=-1)
+                w, ids = torch.topk(probs, k, dim=-1)
+                w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+                xs, ids_l, w_l = x[lo:lo + per], ids[lo:lo + per], w[lo:lo + per]
+            else:
+                xs = x[lo:lo + per]
+                _, w_l, ids_l = self.router(xs)
+                w_l = w_l.to(x.dtype)
             flat = ids_l.reshape(-1)  # row i: token lo + i // k, slot i % k
             order = torch.argsort(flat, stable=True)  # by expert, so by the rank that holds it
             send = xs.repeat_interleave(k, dim=0)[order]
@@ -142,6 +171,30 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool
             return x + self.moe(x)
 
     return Net().eval()
+
+
+TIE_TOKEN = 8  # the token whose k-th and (k+1)-th experts tie in bf16 (routed by the last rank at EP=2)
+ROUTER_LAYOUTS = {**LAYOUTS, r"moe\.router": {"input": "S(0)@ep", "outputs": "S(0)@ep"}}  # (logits, weights, ids)
+
+
+def plant_tie(gate_w, k: int):
+    """The gate weights with TIE_TOKEN's (k+1)-th expert's logit moved to within 1e-4 of its k-th's, on the side
+    where a bf16 softmax + top-k chooses otherwise than float32 (both sides are tried; the one that flips is kept)."""
+    import torch
+
+    x = inputs()[TIE_TOKEN]
+    logits = x @ gate_w.T
+    order = torch.argsort(logits, descending=True).tolist()
+    kth, out = order[k - 1], order[k]
+    for gap in (1e-4, -1e-4):
+        w = gate_w.clone()
+        w[out] += (logits[kth] + gap - logits[out]) * x / (x @ x)
+        moved = x @ w.T
+        f32 = set(torch.topk(torch.softmax(moved, -1), k).indices.tolist())
+        b16 = set(torch.topk(torch.softmax(moved.bfloat16(), -1), k).indices.tolist())
+        if f32 != b16:
+            return w
+    raise AssertionError("no near-tie flip could be planted")
 
 
 def inputs():
@@ -212,3 +265,57 @@ def undeclared_worker(rank, world, root):
     except DivtraceError as e:
         return str(e)
     return None
+
+
+def router_capture(model):
+    """Ground truth from a plain forward hook on `moe.router` (an unrecorded forward): per global token, its router
+    input row, logits row, weights row and ids row."""
+    import torch
+
+    got = {"x": {}, "logits": {}, "w": {}, "ids": {}}
+    per = inputs().shape[0] // model.world
+    lo = model.rank * per
+
+    def hook(m, args, out):
+        for i in range(args[0].shape[0]):
+            got["x"][lo + i], got["w"][lo + i] = args[0][i].clone(), out[1][i].clone()
+            got["ids"][lo + i], got["logits"][lo + i] = out[2][i].clone(), out[0][i].clone()
+
+    h = model.moe.router.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            model(inputs())
+    finally:
+        h.remove()
+    return got
+
+
+def routing_worker(rank, world, root, cases, forced=None):
+    """Record each case (name, mode, router) at EP=`world` into root/name, the router routing this rank's share of
+    the tokens (build(router=...)); with `forced` ({name: global [tokens, k] ids}), those ids' rows of this rank's
+    tokens are forced on its router (divtrace.routing.replay). Each rank returns, per case, its router's hook
+    captures, the collectives (and their tensor bytes) of a plain forward and of the recorded one, and what
+    divtrace.routing.capture saw (a regex: the router is no *Router class)."""
+    import torch
+
+    import divtrace
+    from sharded_cases import CountCollectives
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, mode, router in cases:
+        m = build(world, rank, router=router)
+        m.world, m.rank = world, rank
+        per = inputs().shape[0] // world
+        ids = (forced or {}).get(name)
+        force = {"moe.router": ids[rank * per:(rank + 1) * per]} if ids is not None else {}
+        with torch.no_grad(), CountCollectives() as plain, divtrace.routing.replay(m, force):
+            m(inputs())
+        with torch.no_grad(), CountCollectives() as rec, divtrace.routing.capture(m, r"moe\.router") as got, \
+                divtrace.routing.replay(m, force), \
+                divtrace.record(m, os.path.join(root, name), mode=mode, layouts=ROUTER_LAYOUTS, mesh={"ep": None}):
+            m(inputs())
+        with divtrace.routing.replay(m, force):
+            truth = router_capture(m)
+        out[name] = dict(truth, calls=(plain.calls, plain.bytes, rec.calls, rec.bytes), captured=got.ids())
+    return out

@@ -58,12 +58,14 @@ class _Row:
         if got is not None and len(got) == 1:
             return float(got[0])
         key = self.key("margin")
-        if key is not None and isinstance(key, tuple) and len(key) == 3 and key[2] == _zero_row(key[0]):
+        zero = _zero_row(key[0]) if isinstance(key, tuple) and len(key) == 3 and isinstance(key[2], int) else None
+        if zero is not None and key[2] & _MASK == zero & _MASK:
             return 0.0
         return None
 
 
 _ZEROS: dict = {}
+_MASK = (1 << 64) - 1
 
 
 def _zero_row(dtype: str):
@@ -108,13 +110,25 @@ def token_rows(d, ta, tb, sa, sb) -> list:
     return rows
 
 
-class _IndexView:
-    """A trace seen through one row index of its router values (None: whole values), for traces without tokens."""
+def _row_hashes(t, vid: int) -> dict | None:
+    """{global row: row fingerprint (int)} of a sharded run's value whose layouts carry its rows' fingerprints (a
+    router's blocks of dim 0: record/placements.py), with no bytes read; None for other values and traces."""
+    if getattr(getattr(t, "trace", t), "run", None) is None:
+        return None
+    from divtrace.compare.shard_cause import _row_table
 
-    def __init__(self, t, row: int | None):
+    got = _row_table(t, vid)
+    return None if got is None else {g: int(h[0], 16) for g, h in got.items()}
+
+
+class _IndexView:
+    """A trace seen through one row index of its router values (None: whole values), for traces without tokens:
+    a row's bytes where stored, else its fingerprint where the run's layouts carry the rows' (hash mode)."""
+
+    def __init__(self, t, row: int | None, cache: dict | None = None):
         self.t, self.row = t, row
         self.vkey = self
-        self._rows = {}
+        self._rows = {} if cache is None else cache  # vid -> its row fingerprints (shared by one side's rows)
 
     def has_bytes(self, vid: int) -> bool:
         return self.row is not None and self.t.has_bytes(vid)
@@ -125,6 +139,12 @@ class _IndexView:
 
     def __getitem__(self, vid):
         if not self.has_bytes(vid):
+            if self.row is not None:
+                if vid not in self._rows:
+                    self._rows[vid] = _row_hashes(self.t, vid)
+                hashes = self._rows[vid]
+                if hashes is not None and self.row in hashes:
+                    return (self.t.values[vid].dtype, "row", hashes[self.row])
             return self.t.vkey[vid]
         x = self.tensor(vid)
         return (str(x.dtype), tuple(x.shape), x.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
@@ -139,10 +159,16 @@ def whole_rows(d, ta, tb) -> list:
         pa, pb = router_parts(ta, ca[j]), router_parts(tb, cb[j])
         if pa is None or pb is None:
             continue
-        if ta.has_bytes(pa["ids"]) and tb.has_bytes(pb["ids"]):
-            n = min(ta.values[pa["ids"]].shape[0], tb.values[pb["ids"]].shape[0])
+        hashed = None if ta.has_bytes(pa["ids"]) and tb.has_bytes(pb["ids"]) else (
+            _row_hashes(ta, pa["ids"]), _row_hashes(tb, pb["ids"]))
+        if hashed is None or (None not in hashed and hashed[0].keys() == hashed[1].keys()):
+            n = min(ta.values[pa["ids"]].shape[0], tb.values[pb["ids"]].shape[0]) if hashed is None else \
+                len(hashed[0])
+            ca, cb = {}, {}  # (one per side: the row fingerprints read once)
             for r in range(n):
-                rows.append(({"call": j, "row": r}, _Row(_IndexView(ta, r), pa), _Row(_IndexView(tb, r), pb)))
+                ra, rb = _Row(_IndexView(ta, r, ca), pa), _Row(_IndexView(tb, r, cb), pb)
+                rows.append(({"call": j, "row": r}, ra, rb))
         else:
             rows.append(({"call": j, "row": None}, _Row(_IndexView(ta, None), pa), _Row(_IndexView(tb, None), pb)))
     return rows
+

@@ -24,7 +24,8 @@ Grammar of a spec (one placement over one named process group):
 
 `name` is a key of `mesh` (`{name: process group, or a list of global ranks}`); without `mesh` the one group is the
 whole world, named `world`, and a spec without `@name` means the only group. Each regex must match a whole module
-path (the spec of its output, or a dict with "output" and/or "input": the first positional input) or a whole
+path (the spec of its output, or a dict with "output" and/or "input": the first positional input; "outputs":
+every tensor of a tuple output, a router's (logits, weights, ids), where nothing else gave it a layout) or a whole
 parameter name (`re.fullmatch`). A spec that cannot be parsed, names an unknown group, matches nothing, or does not
 fit its tensor is a DivtraceError of one line naming the path and the spec (the CLI's exit 2): the first three
 when `record(...)` is called, a module's tensor when the module first runs.
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from divtrace.errors import DivtraceError
 
 _SPEC = re.compile(r"^(?:(?P<kind>[RPT])|S\((?P<dim>[+-]?\d+)(?:,(?P<size>\d+))?\))(?:@(?P<name>[A-Za-z_]\w*))?$")
-_SIDES = {"output": "out", "input": "in"}
+_SIDES = {"output": "out", "input": "in", "outputs": "outs"}
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def _specs(pattern, value, groups) -> dict:
     bad = [k for k in sides if k not in _SIDES]
     if bad or not sides:
         raise DivtraceError(f"layouts[{pattern!r}]: a dict spec has 'output' and/or 'input', got "
-                            f"{sorted(map(str, sides))}")
+                            f"{sorted(map(str, sides))} (or 'outputs': every tensor of a tuple output)")
     return {_SIDES[k]: parse_spec(v, pattern, groups) for k, v in sides.items()}
 
 
@@ -169,7 +170,7 @@ class Declared:
                     hit = True
             for name, p in params:
                 if rx.fullmatch(name):
-                    if "in" in specs or specs["out"].kind == "T":
+                    if "out" not in specs or len(specs) > 1 or specs["out"].kind == "T":
                         raise DivtraceError(f"layouts[{pattern!r}]: {name} is a parameter: its spec is one string "
                                             "(R, P or S(dim); routed rows are a module's)")
                     if not hasattr(p, "_local_tensor"):  # (a DTensor parameter has its own placements)

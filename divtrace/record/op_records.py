@@ -169,7 +169,7 @@ class OpRecorder:
             enc_out = self._encode_out(got, vid_by_id) if writes is None else {"$writes": writes}
             rec = OpRecord(index, owner, name, enc_args, enc_kwargs, vids, out_vids, enc_out)
             self.writer.append(rec, values)
-            if name == "aten.topk.default" and pl is None:
+            if name == "aten.topk.default":
                 self._topk_margin(owner, args, kwargs, local, vids)
         return out
 
@@ -183,7 +183,16 @@ class OpRecorder:
             return
         index = self._take_index()
         values: list = []
+        pl = self.placements
+        if pl is not None:  # a rank of a sharded run: the scores' layout, their dim reduced away
+            from divtrace.record.shard_rules import margin_layout
+
+            lay = margin_layout(x.shape, pl.by_vid.get(vids[0]), dim)
+            if lay is not None:
+                pl.pending[id(m)] = lay
         mv = self._produced(m, index, [local.get(id(x), x)], values, OP, None, False, None)
+        if pl is not None:
+            pl.bind_outputs([m], [mv])
         rec = OpRecord(index, owner, OP, [{"$v": vids[0]}, k, dim, bool(largest)], {}, [vids[0]], [mv], {"$v": mv})
         self.writer.append(rec, values)
 

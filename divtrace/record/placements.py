@@ -62,6 +62,7 @@ class Placements:
         self.out = LayoutWriter(writer)  # (written with the trace's records: trace/side_files.py)
         self.by_vid: dict[int, Lay] = {}
         self.pending: dict[int, Lay] = {}  # id(tensor about to get a vid) -> its layout
+        self.stack: list = []  # the module calls' frames (module_calls), set by ranks.attach
         self.row_partials: set[int] = set()  # ids of tensors whose rows were fingerprinted as partials
         self._meshes: dict = {}  # key -> Mesh
         self._mesh_of: dict[int, int] = {}  # id(DeviceMesh) -> mesh id
@@ -142,14 +143,21 @@ class Placements:
         mid = self._add_mesh([len(group.ranks)], [group.name], list(group.ranks), group=group.name)
         return Lay(mid, placements, gshape, offsets, "declared", spec.text)
 
-    def _module_declared(self, module, side: str, t) -> Lay | None:
+    def _module_declared(self, module, side: str, t, key: str = "out") -> Lay | None:
         d = self.declared.modules.get(id(module))
-        if d is None or side not in d[1] or not isinstance(t, torch.Tensor):
+        if d is None or not isinstance(t, torch.Tensor):
             return None
-        where = f"{d[0]} ({'output' if side == 'out' else 'input'})"
-        if d[1][side].kind == "T":
-            return self._routed_lay(d[1][side], t, module, side, where)
-        return self._declared_lay(d[1][side], t, where)
+        spec = d[1].get(side) if key in ("args.0", "out", "out.0") else None
+        if side == "out" and spec is None and "outs" in d[1]:  # "outputs": every tensor of the output
+            spec = d[1]["outs"]
+            where = f"{d[0]} (output {key.removeprefix('out').removeprefix('.') or 0})"
+        else:
+            where = f"{d[0]} ({'output' if side == 'out' else 'input'})"
+        if spec is None:
+            return None
+        if spec.kind == "T":
+            return self._routed_lay(spec, t, module, side, where)
+        return self._declared_lay(spec, t, where)
 
     def _routed_lay(self, spec, t, module, side: str, where: str) -> Lay:
         """Routed rows: laid out by the routing declared for `t` (or, for an output, its module's routed input's)."""
@@ -177,7 +185,15 @@ class Placements:
         if id(t) in self.pending:
             return False
         d = self.declared.modules.get(id(stack[-1].module)) if stack else None
-        return d is not None and "out" in d[1] and d[1]["out"].kind == "S"
+        return d is not None and any(s in d[1] and d[1][s].kind == "S" for s in ("out", "outs"))
+
+    def _rows_here(self) -> bool:
+        """Whether the innermost open module call declares a block of dim 0 (whole token rows) as its output: the
+        blocks of dim 0 made inside it (an EP router's scores, ids, weights) get their rows' fingerprints too."""
+        st = self.stack
+        d = self.declared.modules.get(id(st[-1].module)) if st and self.declared is not None else None
+        specs = [d[1].get(s) for s in ("out", "outs")] if d is not None else []
+        return any(x is not None and x.kind == "S" and x.dim == 0 for x in specs)
 
     def _style_lay(self, module, side: str, t) -> Lay | None:
         st = self._styles.get(id(module))
@@ -207,10 +223,10 @@ class Placements:
         """A module's input or output is about to get its value id: note its layout, if it has one (a style
         speaks of the module's first input and its output only)."""
         lay = self.dtensor_lay(t) if t is not plain else None
-        if lay is None and module is not None and key in ("args.0", "out", "out.0"):
+        if lay is None and module is not None and (key in ("args.0", "out", "out.0") or key.startswith("out.")):
             if self.declared is not None:
-                lay = self._module_declared(module, side, plain)
-            if lay is None and key != "out.0":
+                lay = self._module_declared(module, side, plain, key)
+            if lay is None and key in ("args.0", "out"):
                 lay = self._style_lay(module, side, plain)
         if lay is None and self._params:
             lay = self._params.get(_storage_key(plain))
@@ -304,7 +320,10 @@ class Placements:
                 return
         line = Layout(vid, lay.mesh, list(lay.placements), list(lay.gshape), list(lay.offsets), lay.src,
                       partial, id(t) in self.row_partials, lay.why).to_json()
-        if lay.src == "declared" and lay.placements == ("S0",) and t.dim() >= 1:  # (whole rows: which ones differ)
+        if lay.placements == ("S0",) and t.dim() >= 1 and (lay.src == "declared" or lay.why == "topk_margin"
+                                                            or self._rows_here()):
+            # (whole rows of a declared block, a top-k margin, a value made inside a module declared S(0) (a
+            # router's scores, ids, weights): which rows differ, hash mode too)
             line["rh"] = row_hexes(t)
         self.out.add(line)
 

@@ -86,6 +86,7 @@ def attach(recorder, info: RankInfo):
     pl = Placements(recorder.model, recorder.writer, recorder.warnings,
                     recorder.declared_layouts)
     recorder.calls.placements = recorder.op_records.placements = pl
+    pl.stack = recorder.calls.stack
     recorder.op_records.collectives = Collectives(pl, info.rank)
     recorder.token_rows.shard_rows = pl.shard_rows
     if pl.declared is not None and pl.declared.modules:

@@ -209,7 +209,7 @@ def propagate(name: str, pointwise: bool, args, items: dict, out_shapes: list) -
         return [_same_shape(first[0], first[1], out_shapes[0], why)] + none[1:]
     structural = base in _VIEWS or base in _SOFTMAX or base in _REDUCE or base in (
         "t", "transpose", "permute", "unsqueeze", "expand", "slice", "narrow", "select", "split", "split_with_sizes",
-        "chunk", "unbind")
+        "chunk", "unbind", "topk")
     if structural and (first is None or first[1] is None):
         return none
     shape, lay = first if first is not None else (None, None)
@@ -285,6 +285,13 @@ def propagate(name: str, pointwise: bool, args, items: dict, out_shapes: list) -
     if base in _SOFTMAX:
         dim = args[1] % len(shape)
         return [None if dim in _sharded_dims(shape, lay) else _same_shape(shape, lay, out_shapes[0], why)]
+    if base == "topk":  # values and indices: the block kept where the top-k runs along another dim
+        dim = (args[2] if len(args) > 2 else -1) % len(shape)
+        if dim in _sharded_dims(shape, lay):
+            return none
+        out = list(out_shapes[0])
+        return [_with(lay, [out[x] if x == dim else lay.gshape[x] for x in range(len(shape))],
+                      [0 if x == dim else lay.offsets[x] for x in range(len(shape))], None, why)] * 2
     if base in _REDUCE:
         dims = _reduce_dims(args, len(shape))
         if dims is None or set(dims) & _sharded_dims(shape, lay):
@@ -331,3 +338,14 @@ def propagate(name: str, pointwise: bool, args, items: dict, out_shapes: list) -
         tensors = [v for v in items.values()]
         return [_pointwise(tensors, out_shapes[0], why)] + none[1:]
     return none
+
+
+def margin_layout(shape, lay: Lay | None, dim: int) -> Lay | None:
+    """The layout of a top-k's margin (divtrace.record.topk_margin: one element per row, `dim` reduced away) whose
+    scores of local `shape` have layout `lay`: the scores' block or replica with `dim` removed; None where `dim`
+    is sharded or the scores have no layout (or a pending sum)."""
+    if lay is None:
+        return None
+    got = propagate("aten.amax.default", False, [None, [dim]], {0: (tuple(shape), lay)},
+                    [tuple(n for d, n in enumerate(shape) if d != dim % len(shape))])[0]
+    return None if got is None else got._replace(why="topk_margin")
