@@ -52,11 +52,17 @@ def _placement_code(p, ndim: int) -> str | None:
     return None  # _StridedShard and other placements: not unsharded (no layout)
 
 
+# (value fingerprint, dtype, local shape, global shape, offsets) -> hex partial of a parameter block or a view of
+# one (Placements._partial_key): the same weights come back every forward of every recording in a process
+_PARTIALS: dict[tuple, str] = {}
+
+
 class Placements:
     """The layouts of one rank's recording (one per Recorder inside a process group)."""
 
-    def __init__(self, model, writer, warnings_out: list, declared=None):
+    def __init__(self, model, writer, warnings_out: list, declared=None, values=None):
         self.model = model
+        self.values = values  # the recording's ValueIdentity (values' fingerprints: _partial_key), or None
         self.declared = declared  # record/declared.Declared, or None
         self.warnings = warnings_out
         self.out = LayoutWriter(writer)  # (written with the trace's records: trace/side_files.py)
@@ -67,6 +73,7 @@ class Placements:
         self._mesh_of: dict[int, int] = {}  # id(DeviceMesh) -> mesh id
         self._params: dict[tuple, Lay] = {}  # storage key of a DTensor parameter's local tensor -> its layout
         self._styles: dict[int, tuple] = {}  # id(module) -> (kind, mesh id, in layout fn, out layout fn)
+        self._style_lays: dict[tuple, Lay | None] = {}  # (id(module), side, local shape) -> _style_lay's answer
         self.routes = Routes()  # routings declared by divtrace.routed (record/routing.py)
         self._routing: dict[int, object] = {}  # id(tensor about to be bound with a T layout) -> its Routing
         self._scan(model)
@@ -189,18 +196,23 @@ class Placements:
             return None
         if want == "R":
             return Lay(mid, ("R",), tuple(t.shape), (0,) * t.dim(), "style", kind)
+        key = (id(module), side, tuple(t.shape))
+        if key in self._style_lays:  # (a function of the module's style and the shape: every layer, every call)
+            return self._style_lays[key]
         last = want  # the global size of the last dim
         shape = tuple(t.shape[:-1]) + (last,)
+        lay = None
         try:
             from torch.distributed.tensor import Shard
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
             local, offsets = compute_local_shape_and_global_offset(shape, mesh, [Shard(t.dim() - 1)])
+            if tuple(local) == tuple(t.shape):
+                lay = Lay(mid, (f"S{t.dim() - 1}",), shape, tuple(offsets), "style", kind)
         except Exception:
-            return None
-        if tuple(local) != tuple(t.shape):
-            return None
-        return Lay(mid, (f"S{t.dim() - 1}",), shape, tuple(offsets), "style", kind)
+            pass
+        self._style_lays[key] = lay
+        return lay
 
     # -- hooks ----------------------------------------------------------------------------------------------
     def before_value(self, t, plain, module=None, side: str | None = None, key: str = "") -> None:
@@ -291,13 +303,20 @@ class Placements:
             self.out.add(line)
             return
         if any(p[0] == "S" for p in lay.placements):
+            key = self._partial_key(t, vid, lay)
+            partial = _PARTIALS.get(key) if key is not None else None
             try:
-                partial = tensor_partial(_readable(t), lay.gshape, lay.offsets)
-                dev = self.out.device
-                if dev is not None and dev.takes(t):  # the device path: to the host with its batches
-                    partial = dev.batches.add(partial.reshape(-1))
-                elif partial.device.type == "cpu":  # (else read to the host with the layouts' next flush)
-                    partial = to_hex(partial)
+                if partial is None:
+                    partial = tensor_partial(_readable(t), lay.gshape, lay.offsets)
+                    dev = self.out.device
+                    if dev is not None and dev.takes(t):  # the device path: to the host with its batches
+                        partial = dev.batches.add(partial.reshape(-1))
+                    elif partial.device.type == "cpu":  # (else read to the host with the layouts' next flush)
+                        partial = to_hex(partial)
+                        if key is not None:
+                            if len(_PARTIALS) >= 4096:
+                                _PARTIALS.clear()
+                            _PARTIALS[key] = partial
             except Exception as e:  # a shape the layout does not fit: no layout rather than a wrong one
                 self._warn(f"a shard layout did not fit its tensor ({type(e).__name__}: {e}); recorded as the rank's own")
                 del self.by_vid[vid]
@@ -307,6 +326,18 @@ class Placements:
         if lay.src == "declared" and lay.placements == ("S0",) and t.dim() >= 1:  # (whole rows: which ones differ)
             line["rh"] = row_hexes(t)
         self.out.add(line)
+
+    def _partial_key(self, t, vid: int, lay: Lay) -> tuple | None:
+        """The key under which `t`'s partial is kept (`_PARTIALS`), or None: a parameter's block, or a view of one,
+        whose fingerprint (taken from its bytes, or derived from its source's) this recording holds. The partial
+        is a function of the values at their positions, which the fingerprint, dtype and shape stand for, so a
+        weight met again (every forward, every recording) is not read again (nor its transposed block copied)."""
+        if self.values is None or self.out.device is not None:
+            return None
+        v = self.values.known(t, vid)
+        if v is None or type(v.hash) is not str or not (v.producer is None or v.derived):
+            return None  # (activations: new values every forward, never met again)
+        return (v.hash, v.dtype, tuple(t.shape), lay.gshape, lay.offsets)
 
     def add_line(self, line: dict) -> None:
         self.out.add(line)
