@@ -24,8 +24,8 @@ import torch
 from divtrace.errors import DivtraceError
 from divtrace.record.routing import Routes, routed_gshape, routed_partial, row_hexes
 from divtrace.record.shard_rules import Lay, propagate
-from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes
-from divtrace.trace.hashing.tensor import tensor_partial, to_hex
+from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes, strided_row_fingerprints
+from divtrace.trace.hashing.tensor import partial_hex, tensor_partial, to_hex
 from divtrace.trace.layouts import Layout, LayoutWriter, Mesh
 
 
@@ -280,6 +280,12 @@ class Placements:
         if any(lay.gshape[d] != t.shape[d] or lay.offsets[d] for d in token_dims):
             return None
         row_dims = [d for d in range(nd) if d not in token_dims]
+        g, o = [lay.gshape[d] for d in row_dims], [lay.offsets[d] for d in row_dims]
+        if t.is_cpu:  # read in place by the C kernel (same bytes as below, no torch ops: these run inside the mode)
+            got = strided_row_fingerprints(t, code, t.shape[0] * (t.shape[token_dims[1]] if code != "n" else 1), g, o)
+            if got is not None:
+                self.row_partials.add(id(t))
+                return got
         if code == "bht":
             x = t.transpose(1, 2)
             rows = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
@@ -287,7 +293,7 @@ class Placements:
             rows = t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
         else:
             rows = t
-        got = row_fingerprints(rows, [lay.gshape[d] for d in row_dims], [lay.offsets[d] for d in row_dims])
+        got = row_fingerprints(rows, g, o)
         self.row_partials.add(id(t))
         return rows_bytes(got)
 
@@ -307,13 +313,17 @@ class Placements:
             partial = _PARTIALS.get(key) if key is not None else None
             try:
                 if partial is None:
-                    partial = tensor_partial(_readable(t), lay.gshape, lay.offsets)
+                    x = _readable(t)
                     dev = self.out.device
                     if dev is not None and dev.takes(t):  # the device path: to the host with its batches
-                        partial = dev.batches.add(partial.reshape(-1))
-                    elif partial.device.type == "cpu":  # (else read to the host with the layouts' next flush)
-                        partial = to_hex(partial)
-                        if key is not None:
+                        partial = dev.batches.add(tensor_partial(x, lay.gshape, lay.offsets).reshape(-1))
+                    else:
+                        partial = partial_hex(x, lay.gshape, lay.offsets) if t.is_cpu else None
+                        if partial is None:
+                            partial = tensor_partial(x, lay.gshape, lay.offsets)
+                            if partial.device.type == "cpu":  # (else read to the host with the layouts' next flush)
+                                partial = to_hex(partial)
+                        if key is not None and type(partial) is str:
                             if len(_PARTIALS) >= 4096:
                                 _PARTIALS.clear()
                             _PARTIALS[key] = partial
