@@ -73,7 +73,8 @@ class Placements:
         self._mesh_of: dict[int, int] = {}  # id(DeviceMesh) -> mesh id
         self._params: dict[tuple, Lay] = {}  # storage key of a DTensor parameter's local tensor -> its layout
         self._styles: dict[int, tuple] = {}  # id(module) -> (kind, mesh id, in layout fn, out layout fn)
-        self._style_lays: dict[tuple, Lay | None] = {}  # (id(module), side, local shape) -> _style_lay's answer
+        self._style_lays: dict[tuple, Lay | None] = {}  # (style, mesh id, its layout, local shape) -> _style_lay's
+        self._dtensor_lays: dict[tuple, Lay | None] = {}  # (id(mesh), shape, placements, local shape, src) -> layout
         self.routes = Routes()  # routings declared by divtrace.routed (record/routing.py)
         self._routing: dict[int, object] = {}  # id(tensor about to be bound with a T layout) -> its Routing
         self._scan(model)
@@ -112,19 +113,15 @@ class Placements:
         if spec is None or mesh is None:
             return None
         shape = tuple(t.shape)
-        codes = [_placement_code(p, len(shape)) for p in t.placements]
-        if None in codes:
-            self._warn(f"a DTensor placement {t.placements} is not unsharded by divtrace (recorded as the rank's own)")
-            return None
+        loc = getattr(t, "_local_tensor", None)
+        key = (id(mesh), shape, spec.placements, None if loc is None else tuple(loc.shape), src)
         try:
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            local, offsets = compute_local_shape_and_global_offset(shape, mesh, t.placements)
-        except Exception:
-            return None
-        if tuple(local) != tuple(t._local_tensor.shape):
-            return None
-        return Lay(self.mesh_id(mesh), tuple(codes), shape, tuple(offsets), src)
+            lay = self._dtensor_lays.get(key, False)
+        except TypeError:  # (a placement that cannot be a key)
+            return _dtensor_layout(t, mesh, shape, src, self.mesh_id, self._warn)
+        if lay is False:  # (a function of these: the same few come back every layer; each costs torch ops)
+            lay = self._dtensor_lays[key] = _dtensor_layout(t, mesh, shape, src, self.mesh_id, self._warn)
+        return lay
 
     def _scan(self, model) -> None:
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
@@ -196,8 +193,8 @@ class Placements:
             return None
         if want == "R":
             return Lay(mid, ("R",), tuple(t.shape), (0,) * t.dim(), "style", kind)
-        key = (id(module), side, tuple(t.shape))
-        if key in self._style_lays:  # (a function of the module's style and the shape: every layer, every call)
+        key = (kind, mid, want, tuple(t.shape))
+        if key in self._style_lays:  # (a function of the style, its mesh and the shapes: every layer, every call)
             return self._style_lays[key]
         last = want  # the global size of the last dim
         shape = tuple(t.shape[:-1]) + (last,)
@@ -355,6 +352,23 @@ class Placements:
     def _warn(self, msg: str) -> None:
         if msg not in self.warnings and len(self.warnings) < 100:
             self.warnings.append(msg)
+
+
+def _dtensor_layout(t, mesh, shape: tuple, src: str, mesh_id, warn) -> Lay | None:
+    """The layout of DTensor `t` (global `shape`) on `mesh`, or None where divtrace does not unshard it."""
+    codes = [_placement_code(p, len(shape)) for p in t.placements]
+    if None in codes:
+        warn(f"a DTensor placement {t.placements} is not unsharded by divtrace (recorded as the rank's own)")
+        return None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local, offsets = compute_local_shape_and_global_offset(shape, mesh, t.placements)
+    except Exception:
+        return None
+    if tuple(local) != tuple(t._local_tensor.shape):
+        return None
+    return Lay(mesh_id(mesh), tuple(codes), shape, tuple(offsets), src)
 
 
 def _storage_key(t) -> tuple | None:
