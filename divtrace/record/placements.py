@@ -328,8 +328,7 @@ class Placements:
                 self._warn(f"a shard layout did not fit its tensor ({type(e).__name__}: {e}); recorded as the rank's own")
                 del self.by_vid[vid]
                 return
-        line = Layout(vid, lay.mesh, list(lay.placements), list(lay.gshape), list(lay.offsets), lay.src,
-                      partial, id(t) in self.row_partials, lay.why).to_json()
+        line = _line(vid, lay, partial, id(t) in self.row_partials)
         if lay.src == "declared" and lay.placements == ("S0",) and t.dim() >= 1:  # (whole rows: which ones differ)
             line["rh"] = row_hexes(t)
         self.out.add(line)
@@ -352,6 +351,19 @@ class Placements:
     def _warn(self, msg: str) -> None:
         if msg not in self.warnings and len(self.warnings) < 100:
             self.warnings.append(msg)
+
+
+def _line(vid: int, lay: Lay, partial, row_partials: bool) -> dict:
+    """`Layout(...).to_json()` of a value's layout, built straight (one a value, every forward)."""
+    line = {"v": vid, "M": lay.mesh, "p": list(lay.placements), "g": list(lay.gshape), "o": list(lay.offsets),
+            "src": lay.src}
+    if partial is not None:
+        line["h"] = partial
+    if row_partials:
+        line["rp"] = 1
+    if lay.why:
+        line["why"] = lay.why
+    return line
 
 
 def _dtensor_layout(t, mesh, shape: tuple, src: str, mesh_id, warn) -> Lay | None:
@@ -380,17 +392,25 @@ def _storage_key(t) -> tuple | None:
 
 def _arg_items(args, tensors_in, plain_in, vids_in, by_vid) -> dict | None:
     """Position of each tensor argument (int, or (position, k) in a list) -> (local shape, layout or None)."""
-    lay_of = {id(t): by_vid.get(v) for t, v in zip(tensors_in, vids_in)}
-    shape_of = {id(t): tuple(p.shape) for t, p in zip(tensors_in, plain_in)}
+    of, laid = {}, False
+    for t, p, v in zip(tensors_in, plain_in, vids_in):
+        lay = by_vid.get(v)
+        laid = laid or lay is not None
+        of[id(t)] = (tuple(p.shape), lay)
+    if not laid:
+        return None
     items = {}
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
-            if id(a) in shape_of:
-                items[i] = (shape_of[id(a)], lay_of[id(a)])
+            e = of.get(id(a))
+            if e is not None:
+                items[i] = e
         elif isinstance(a, (list, tuple)):
             for k, x in enumerate(a):
-                if isinstance(x, torch.Tensor) and id(x) in shape_of:
-                    items[(i, k)] = (shape_of[id(x)], lay_of[id(x)])
+                if isinstance(x, torch.Tensor):
+                    e = of.get(id(x))
+                    if e is not None:
+                        items[(i, k)] = e
     if not any(v[1] is not None for v in items.values()):
         return None
     return items
