@@ -72,6 +72,7 @@ class Placements:
         self._meshes: dict = {}  # key -> Mesh
         self._mesh_of: dict[int, int] = {}  # id(DeviceMesh) -> mesh id
         self._params: dict[tuple, Lay] = {}  # storage key of a DTensor parameter's local tensor -> its layout
+        self._param_shapes: set[tuple] = set()  # their shapes (most tensors met are none: no storage key made)
         self._styles: dict[int, tuple] = {}  # id(module) -> (kind, mesh id, in layout fn, out layout fn)
         self._style_lays: dict[tuple, Lay | None] = {}  # (style, mesh id, its layout, local shape) -> _style_lay's
         self._dtensor_lays: dict[tuple, Lay | None] = {}  # (id(mesh), shape, placements, local shape, src) -> layout
@@ -132,6 +133,7 @@ class Placements:
         if self.declared is not None:
             for name, p, spec in self.declared.params:
                 self._params[_storage_key(p.detach())] = self._declared_lay(spec, p, name)
+        self._param_shapes = {k[2] for k in self._params if k is not None}
         for path, m in model.named_modules():
             style = _style_of(m)
             if style is not None:
@@ -221,7 +223,7 @@ class Placements:
                 lay = self._module_declared(module, side, plain)
             if lay is None and key != "out.0":
                 lay = self._style_lay(module, side, plain)
-        if lay is None and self._params:
+        if lay is None and plain.shape in self._param_shapes:
             lay = self._params.get(_storage_key(plain))
         if lay is not None:
             self.pending[id(plain)] = lay
@@ -238,7 +240,7 @@ class Placements:
             if vid in self.by_vid:
                 continue
             lay = self.dtensor_lay(t) if t is not p else None
-            if lay is None and self._params:
+            if lay is None and p.shape in self._param_shapes:
                 lay = self._params.get(_storage_key(p))
             if lay is not None:
                 self._bind(p, vid, lay)
