@@ -24,8 +24,8 @@ import torch
 from divtrace.errors import DivtraceError
 from divtrace.record.routing import Routes, routed_gshape, routed_partial, row_hexes
 from divtrace.record.shard_rules import Lay, propagate
-from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes
-from divtrace.trace.hashing.tensor import tensor_partial, to_hex
+from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes, strided_row_fingerprints
+from divtrace.trace.hashing.tensor import partial_hex, tensor_partial, to_hex
 from divtrace.trace.layouts import Layout, LayoutWriter, Mesh
 
 
@@ -52,11 +52,17 @@ def _placement_code(p, ndim: int) -> str | None:
     return None  # _StridedShard and other placements: not unsharded (no layout)
 
 
+# (value fingerprint, dtype, local shape, global shape, offsets) -> hex partial of a parameter block or a view of
+# one (Placements._partial_key): the same weights come back every forward of every recording in a process
+_PARTIALS: dict[tuple, str] = {}
+
+
 class Placements:
     """The layouts of one rank's recording (one per Recorder inside a process group)."""
 
-    def __init__(self, model, writer, warnings_out: list, declared=None):
+    def __init__(self, model, writer, warnings_out: list, declared=None, values=None):
         self.model = model
+        self.values = values  # the recording's ValueIdentity (values' fingerprints: _partial_key), or None
         self.declared = declared  # record/declared.Declared, or None
         self.warnings = warnings_out
         self.out = LayoutWriter(writer)  # (written with the trace's records: trace/side_files.py)
@@ -67,7 +73,10 @@ class Placements:
         self._meshes: dict = {}  # key -> Mesh
         self._mesh_of: dict[int, int] = {}  # id(DeviceMesh) -> mesh id
         self._params: dict[tuple, Lay] = {}  # storage key of a DTensor parameter's local tensor -> its layout
+        self._param_shapes: set[tuple] = set()  # their shapes (most tensors met are none: no storage key made)
         self._styles: dict[int, tuple] = {}  # id(module) -> (kind, mesh id, in layout fn, out layout fn)
+        self._style_lays: dict[tuple, Lay | None] = {}  # (style, mesh id, its layout, local shape) -> _style_lay's
+        self._dtensor_lays: dict[tuple, Lay | None] = {}  # (id(mesh), shape, placements, local shape, src) -> layout
         self.routes = Routes()  # routings declared by divtrace.routed (record/routing.py)
         self._routing: dict[int, object] = {}  # id(tensor about to be bound with a T layout) -> its Routing
         self._scan(model)
@@ -106,19 +115,15 @@ class Placements:
         if spec is None or mesh is None:
             return None
         shape = tuple(t.shape)
-        codes = [_placement_code(p, len(shape)) for p in t.placements]
-        if None in codes:
-            self._warn(f"a DTensor placement {t.placements} is not unsharded by divtrace (recorded as the rank's own)")
-            return None
+        loc = getattr(t, "_local_tensor", None)
+        key = (id(mesh), shape, spec.placements, None if loc is None else tuple(loc.shape), src)
         try:
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            local, offsets = compute_local_shape_and_global_offset(shape, mesh, t.placements)
-        except Exception:
-            return None
-        if tuple(local) != tuple(t._local_tensor.shape):
-            return None
-        return Lay(self.mesh_id(mesh), tuple(codes), shape, tuple(offsets), src)
+            lay = self._dtensor_lays.get(key, False)
+        except TypeError:  # (a placement that cannot be a key)
+            return _dtensor_layout(t, mesh, shape, src, self.mesh_id, self._warn)
+        if lay is False:  # (a function of these: the same few come back every layer; each costs torch ops)
+            lay = self._dtensor_lays[key] = _dtensor_layout(t, mesh, shape, src, self.mesh_id, self._warn)
+        return lay
 
     def _scan(self, model) -> None:
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
@@ -129,6 +134,7 @@ class Placements:
         if self.declared is not None:
             for name, p, spec in self.declared.params:
                 self._params[_storage_key(p.detach())] = self._declared_lay(spec, p, name)
+        self._param_shapes = {k[2] for k in self._params if k is not None}
         for path, m in model.named_modules():
             style = _style_of(m)
             if style is not None:
@@ -205,18 +211,23 @@ class Placements:
             return None
         if want == "R":
             return Lay(mid, ("R",), tuple(t.shape), (0,) * t.dim(), "style", kind)
+        key = (kind, mid, want, tuple(t.shape))
+        if key in self._style_lays:  # (a function of the style, its mesh and the shapes: every layer, every call)
+            return self._style_lays[key]
         last = want  # the global size of the last dim
         shape = tuple(t.shape[:-1]) + (last,)
+        lay = None
         try:
             from torch.distributed.tensor import Shard
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
             local, offsets = compute_local_shape_and_global_offset(shape, mesh, [Shard(t.dim() - 1)])
+            if tuple(local) == tuple(t.shape):
+                lay = Lay(mid, (f"S{t.dim() - 1}",), shape, tuple(offsets), "style", kind)
         except Exception:
-            return None
-        if tuple(local) != tuple(t.shape):
-            return None
-        return Lay(mid, (f"S{t.dim() - 1}",), shape, tuple(offsets), "style", kind)
+            pass
+        self._style_lays[key] = lay
+        return lay
 
     # -- hooks ----------------------------------------------------------------------------------------------
     def before_value(self, t, plain, module=None, side: str | None = None, key: str = "") -> None:
@@ -228,7 +239,7 @@ class Placements:
                 lay = self._module_declared(module, side, plain, key)
             if lay is None and key in ("args.0", "out"):
                 lay = self._style_lay(module, side, plain)
-        if lay is None and self._params:
+        if lay is None and plain.shape in self._param_shapes:
             lay = self._params.get(_storage_key(plain))
         if lay is not None:
             self.pending[id(plain)] = lay
@@ -245,7 +256,7 @@ class Placements:
             if vid in self.by_vid:
                 continue
             lay = self.dtensor_lay(t) if t is not p else None
-            if lay is None and self._params:
+            if lay is None and p.shape in self._param_shapes:
                 lay = self._params.get(_storage_key(p))
             if lay is not None:
                 self._bind(p, vid, lay)
@@ -275,25 +286,10 @@ class Placements:
         """rows.bin's bytes for the token rows of `t` (layout `code`) when `t` is a block of a global value cut along
         its row dims only: each row's partial of the global row. None otherwise (its rows are whole)."""
         lay = self.pending.get(id(t))
-        if lay is None or not any(p[0] == "S" for p in lay.placements):
-            return None
-        nd = t.dim()
-        token_dims = {"bt": (0, 1), "bht": (0, 2), "n": (0,)}.get(code)
-        if token_dims is None or len(lay.gshape) != nd:
-            return None
-        if any(lay.gshape[d] != t.shape[d] or lay.offsets[d] for d in token_dims):
-            return None
-        row_dims = [d for d in range(nd) if d not in token_dims]
-        if code == "bht":
-            x = t.transpose(1, 2)
-            rows = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-        elif code == "bt":
-            rows = t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
-        else:
-            rows = t
-        got = row_fingerprints(rows, [lay.gshape[d] for d in row_dims], [lay.offsets[d] for d in row_dims])
-        self.row_partials.add(id(t))
-        return rows_bytes(got)
+        got = None if lay is None else _block_row_bytes(t, lay, code)
+        if got is not None:
+            self.row_partials.add(id(t))
+        return got
 
     # -- lines ----------------------------------------------------------------------------------------------
     def _bind(self, t, vid: int, lay: Lay) -> None:
@@ -307,19 +303,29 @@ class Placements:
             self.out.add(line)
             return
         if any(p[0] == "S" for p in lay.placements):
+            key = self._partial_key(t, vid, lay)
+            partial = _PARTIALS.get(key) if key is not None else None
             try:
-                partial = tensor_partial(_readable(t), lay.gshape, lay.offsets)
-                dev = self.out.device
-                if dev is not None and dev.takes(t):  # the device path: to the host with its batches
-                    partial = dev.batches.add(partial.reshape(-1))
-                elif partial.device.type == "cpu":  # (else read to the host with the layouts' next flush)
-                    partial = to_hex(partial)
+                if partial is None:
+                    x = _readable(t)
+                    dev = self.out.device
+                    if dev is not None and dev.takes(t):  # the device path: to the host with its batches
+                        partial = dev.batches.add(tensor_partial(x, lay.gshape, lay.offsets).reshape(-1))
+                    else:
+                        partial = partial_hex(x, lay.gshape, lay.offsets) if t.is_cpu else None
+                        if partial is None:
+                            partial = tensor_partial(x, lay.gshape, lay.offsets)
+                            if partial.device.type == "cpu":  # (else read to the host with the layouts' next flush)
+                                partial = to_hex(partial)
+                        if key is not None and type(partial) is str:
+                            if len(_PARTIALS) >= 4096:
+                                _PARTIALS.clear()
+                            _PARTIALS[key] = partial
             except Exception as e:  # a shape the layout does not fit: no layout rather than a wrong one
                 self._warn(f"a shard layout did not fit its tensor ({type(e).__name__}: {e}); recorded as the rank's own")
                 del self.by_vid[vid]
                 return
-        line = Layout(vid, lay.mesh, list(lay.placements), list(lay.gshape), list(lay.offsets), lay.src,
-                      partial, id(t) in self.row_partials, lay.why).to_json()
+        line = _line(vid, lay, partial, id(t) in self.row_partials)
         if lay.placements == ("S0",) and t.dim() >= 1 and (lay.src == "declared" or lay.why == "topk_margin"
                                                             or self._rows_here()):
             # (whole rows of a declared block, a top-k margin, a value made inside a module declared S(0) (a
@@ -327,12 +333,80 @@ class Placements:
             line["rh"] = row_hexes(t)
         self.out.add(line)
 
+    def _partial_key(self, t, vid: int, lay: Lay) -> tuple | None:
+        """The key under which `t`'s partial is kept (`_PARTIALS`), or None: a parameter's block, or a view of one,
+        whose fingerprint (taken from its bytes, or derived from its source's) this recording holds. The partial
+        is a function of the values at their positions, which the fingerprint, dtype and shape stand for, so a
+        weight met again (every forward, every recording) is not read again (nor its transposed block copied)."""
+        if self.values is None or self.out.device is not None:
+            return None
+        v = self.values.known(t, vid)
+        if v is None or type(v.hash) is not str or not (v.producer is None or v.derived):
+            return None  # (activations: new values every forward, never met again)
+        return (v.hash, v.dtype, tuple(t.shape), lay.gshape, lay.offsets)
+
     def add_line(self, line: dict) -> None:
         self.out.add(line)
 
     def _warn(self, msg: str) -> None:
         if msg not in self.warnings and len(self.warnings) < 100:
             self.warnings.append(msg)
+
+
+def _block_row_bytes(t, lay: Lay, code: str) -> bytes | None:
+    """`Placements.shard_rows` for a value with layout `lay`: the partials of its token rows, or None."""
+    if not any(p[0] == "S" for p in lay.placements):
+        return None
+    nd = t.dim()
+    token_dims = {"bt": (0, 1), "bht": (0, 2), "n": (0,)}.get(code)
+    if token_dims is None or len(lay.gshape) != nd:
+        return None
+    if any(lay.gshape[d] != t.shape[d] or lay.offsets[d] for d in token_dims):
+        return None
+    row_dims = [d for d in range(nd) if d not in token_dims]
+    g, o = [lay.gshape[d] for d in row_dims], [lay.offsets[d] for d in row_dims]
+    if t.is_cpu:  # read in place by the C kernel (same bytes as below, no torch ops: these run inside the mode)
+        got = strided_row_fingerprints(t, code, t.shape[0] * (t.shape[token_dims[1]] if code != "n" else 1), g, o)
+        if got is not None:
+            return got
+    if code == "bht":
+        x = t.transpose(1, 2)
+        rows = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    elif code == "bt":
+        rows = t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+    else:
+        rows = t
+    return rows_bytes(row_fingerprints(rows, g, o))
+
+
+def _line(vid: int, lay: Lay, partial, row_partials: bool) -> dict:
+    """`Layout(...).to_json()` of a value's layout, built straight (one a value, every forward)."""
+    line = {"v": vid, "M": lay.mesh, "p": list(lay.placements), "g": list(lay.gshape), "o": list(lay.offsets),
+            "src": lay.src}
+    if partial is not None:
+        line["h"] = partial
+    if row_partials:
+        line["rp"] = 1
+    if lay.why:
+        line["why"] = lay.why
+    return line
+
+
+def _dtensor_layout(t, mesh, shape: tuple, src: str, mesh_id, warn) -> Lay | None:
+    """The layout of DTensor `t` (global `shape`) on `mesh`, or None where divtrace does not unshard it."""
+    codes = [_placement_code(p, len(shape)) for p in t.placements]
+    if None in codes:
+        warn(f"a DTensor placement {t.placements} is not unsharded by divtrace (recorded as the rank's own)")
+        return None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local, offsets = compute_local_shape_and_global_offset(shape, mesh, t.placements)
+    except Exception:
+        return None
+    if tuple(local) != tuple(t._local_tensor.shape):
+        return None
+    return Lay(mesh_id(mesh), tuple(codes), shape, tuple(offsets), src)
 
 
 def _storage_key(t) -> tuple | None:
@@ -344,17 +418,25 @@ def _storage_key(t) -> tuple | None:
 
 def _arg_items(args, tensors_in, plain_in, vids_in, by_vid) -> dict | None:
     """Position of each tensor argument (int, or (position, k) in a list) -> (local shape, layout or None)."""
-    lay_of = {id(t): by_vid.get(v) for t, v in zip(tensors_in, vids_in)}
-    shape_of = {id(t): tuple(p.shape) for t, p in zip(tensors_in, plain_in)}
+    of, laid = {}, False
+    for t, p, v in zip(tensors_in, plain_in, vids_in):
+        lay = by_vid.get(v)
+        laid = laid or lay is not None
+        of[id(t)] = (tuple(p.shape), lay)
+    if not laid:
+        return None
     items = {}
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
-            if id(a) in shape_of:
-                items[i] = (shape_of[id(a)], lay_of[id(a)])
+            e = of.get(id(a))
+            if e is not None:
+                items[i] = e
         elif isinstance(a, (list, tuple)):
             for k, x in enumerate(a):
-                if isinstance(x, torch.Tensor) and id(x) in shape_of:
-                    items[(i, k)] = (shape_of[id(x)], lay_of[id(x)])
+                if isinstance(x, torch.Tensor):
+                    e = of.get(id(x))
+                    if e is not None:
+                        items[(i, k)] = e
     if not any(v[1] is not None for v in items.values()):
         return None
     return items

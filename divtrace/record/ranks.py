@@ -84,7 +84,7 @@ def attach(recorder, info: RankInfo):
     from divtrace.record.placements import Placements
 
     pl = Placements(recorder.model, recorder.writer, recorder.warnings,
-                    recorder.declared_layouts)
+                    recorder.declared_layouts, recorder.values)
     recorder.calls.placements = recorder.op_records.placements = pl
     pl.stack = recorder.calls.stack
     recorder.op_records.collectives = Collectives(pl, info.rank)

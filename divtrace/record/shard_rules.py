@@ -195,9 +195,43 @@ def _reduce_dims(args, nd) -> list[int] | None:
     return [d % nd for d in dims] if dims else None
 
 
+_MEMO: dict[tuple, tuple] = {}  # propagate's answers: a function of the op, its scalar arguments, shapes and layouts
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _args_key(args) -> tuple:
+    """The op's arguments with each tensor as None (their shapes and layouts are in `items`)."""
+    out = []
+    for a in args:
+        if type(a) in _SCALARS:
+            out.append(a)
+        elif type(a) in (list, tuple):
+            out.append(tuple(x if type(x) in _SCALARS else None if hasattr(x, "data_ptr") else x for x in a))
+        else:
+            out.append(None if hasattr(a, "data_ptr") else a)
+    return tuple(out)
+
+
 def propagate(name: str, pointwise: bool, args, items: dict, out_shapes: list) -> list:
     """Layouts of an op's outputs (a list as long as `out_shapes`, None where none follows). `items` maps the
-    position of each tensor argument (an int, or (position, k) inside a list) to its (local shape, layout)."""
+    position of each tensor argument (an int, or (position, k) inside a list) to its (local shape, layout).
+    Answers are kept (every layer runs the same ops on the same shapes and layouts)."""
+    try:
+        key = (name, pointwise, _args_key(args), tuple(items.items()), tuple(out_shapes))
+        got = _MEMO.get(key)
+    except TypeError:  # (an argument that cannot be a key)
+        key = got = None
+    if got is not None:
+        return list(got)
+    got = _propagate(name, pointwise, args, items, out_shapes)
+    if key is not None:
+        if len(_MEMO) >= 4096:
+            _MEMO.clear()
+        _MEMO[key] = tuple(got)
+    return got
+
+
+def _propagate(name: str, pointwise: bool, args, items: dict, out_shapes: list) -> list:
     none = [None] * len(out_shapes)
     lays = [v for v in items.values() if v[1] is not None]
     if not lays or not out_shapes or any("T" in v[1].placements for v in lays):  # (routed rows: no rule carries them)

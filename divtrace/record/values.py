@@ -187,6 +187,11 @@ class ValueIdentity:
         except Exception:
             return None
 
+    def known(self, t: torch.Tensor, vid: int):
+        """The TensorValue the table holds for `t`, when it is value `vid` (else None)."""
+        e = self._tensors.get(t)
+        return e[2] if e is not None and e[0] == vid else None
+
     def vid_of(self, t: torch.Tensor, new_values: list, boundary: bool = False, root_output: bool = False) -> int:
         """The value id of `t` as it is now; a tensor never seen (or changed behind our back) is new."""
         entry = self._tensors.get(t)

@@ -31,8 +31,9 @@ whole and well formed is a damaged trace). Lines about values or records the tra
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
+
+from divtrace.trace.files import compact_encoder
 
 LAYOUTS = "layouts.jsonl"
 PLACEMENT_KINDS = ("S", "R", "P", "T")
@@ -242,6 +243,9 @@ def _prod(xs) -> int:
     return n
 
 
+_LINE = compact_encoder(allow_nan=True)  # json.dumps(d, separators=(",", ":")), its C encoder built once
+
+
 class LayoutWriter:
     """Queues a rank's layout lines and hands them to the trace writer's checksummed files before each flush of its
     records (so layouts.jsonl is written in step with records.jsonl, under its checksums: trace/side_files.py). On
@@ -286,5 +290,5 @@ class LayoutWriter:
 
             for d, h in zip(tensors, hexes(torch.stack([d["h"] for d in tensors]))):
                 d["h"] = h
-        data = ("\n".join(json.dumps(d, separators=(",", ":")) for d in lines) + "\n").encode()
+        data = ("\n".join(_LINE(d) for d in lines) + "\n").encode()
         self.files.add(LAYOUTS, data)

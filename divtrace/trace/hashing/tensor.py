@@ -29,7 +29,7 @@ if _native is not None and (sys.byteorder != "little" or not hasattr(_native, "f
     _native = None  # (an extension built from an older _native.c lacks v2: torch until `setup.py build_ext` runs)
 IMPLEMENTATION = "native" if _native is not None else "torch"  # how CPU tensors are hashed (meta.json hash_impl)
 
-__all__ = ["TENSOR_SCHEME", "tensor_fingerprint", "tensor_partial", "combine", "to_hex", "hexes", "from_hex",
+__all__ = ["TENSOR_SCHEME", "tensor_fingerprint", "tensor_partial", "partial_hex", "combine", "to_hex", "hexes", "from_hex",
            "combine_hex", "tensor_hash", "hash_with_stats", "partial_with_stats", "IMPLEMENTATION"]
 ZERO_HASH = "0" * 32
 _PLACES: dict[tuple, tuple] = {}  # (local shape, global shape, offsets, itemsize) -> _place's answer
@@ -82,6 +82,15 @@ def tensor_partial(local: torch.Tensor, global_shape=None, offsets=None) -> torc
     if got is not None:
         return torch.tensor([i64(got[0]), i64(got[1])], dtype=torch.int64)
     return _torch_sums(local, runs, nbytes)
+
+
+def partial_hex(local: torch.Tensor, global_shape, offsets) -> str | None:
+    """`to_hex(tensor_partial(local, global_shape, offsets))` straight from the C kernel's sums (no int64 tensor made
+    and read back: a recording rank takes several hundred partials a forward); None where the kernel cannot read
+    `local` in place (the caller takes tensor_partial's way)."""
+    runs, nbytes, where = _place(local, global_shape, offsets)
+    got = _native_sums(local, where, stats=False)
+    return None if got is None else _hex(got[0], got[1])
 
 
 def tensor_fingerprint(t: torch.Tensor) -> torch.Tensor:
