@@ -115,9 +115,9 @@ def _row_hashes(t, vid: int) -> dict | None:
     router's blocks of dim 0: record/placements.py), with no bytes read; None for other values and traces."""
     if getattr(getattr(t, "trace", t), "run", None) is None:
         return None
-    from divtrace.compare.shard_cause import _row_table
+    from divtrace.compare.shard_cause import row_table
 
-    got = _row_table(t, vid)
+    got = row_table(t, vid)
     return None if got is None else {g: int(h[0], 16) for g, h in got.items()}
 
 

@@ -144,7 +144,7 @@ def _block_of(t, vid, diff) -> str | None:
     return None
 
 
-def _row_table(t, vid) -> dict | None:
+def row_table(t, vid) -> dict | None:
     """Whole rows of a run's value whose layouts carry their fingerprints (routed rows `T`; a declared block of
     dim 0): global row -> (row fingerprint, rank, expert or None, top-k or None); None for other values."""
     base = getattr(t, "trace", t)
@@ -166,7 +166,7 @@ def _row_table(t, vid) -> dict | None:
 def _differing_rows(ta, tb, vid_a, vid_b) -> list | None:
     """Where both sides' values carry row fingerprints (hash mode too): the rows that differ. Routed rows: each
     (token, slot) with the expert and rank that computed it on each side; a block of dim 0: each token (row)."""
-    a, b = _row_table(ta, vid_a), _row_table(tb, vid_b)
+    a, b = row_table(ta, vid_a), row_table(tb, vid_b)
     if a is None or b is None or a.keys() != b.keys():
         return None
     out = []

@@ -50,10 +50,9 @@ class _Side:
 
 
 def _bits_equal(x, y) -> bool:
-    import torch
+    from divtrace.compare.metrics import bitwise_equal  # (torch: full mode only; a hash bisect never gets here)
 
-    return (x.dtype == y.dtype and tuple(x.shape) == tuple(y.shape)
-            and torch.equal(x.reshape(-1).contiguous().view(torch.uint8), y.reshape(-1).contiguous().view(torch.uint8)))
+    return bitwise_equal(x, y)
 
 
 def _same(a: _Side, va: int, pa: int, b: _Side, vb: int, pb: int):

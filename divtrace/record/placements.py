@@ -297,10 +297,9 @@ class Placements:
         partial = None
         routing = self._routing.pop(id(t), None) if lay.placements == ("T",) else None
         if routing is not None:
-            line = Layout(vid, lay.mesh, ["T"], list(lay.gshape), list(lay.offsets), lay.src,
-                          to_hex(routed_partial(t, routing)), False, lay.why).to_json()
-            line.update(k=routing.top_k, rt=routing.table(), rh=row_hexes(t))
-            self.out.add(line)
+            self.out.add(Layout(vid, lay.mesh, ["T"], list(lay.gshape), list(lay.offsets), lay.src,
+                                to_hex(routed_partial(t, routing)), False, lay.why, routing.top_k, routing.table(),
+                                row_hexes(t)).to_json())
             return
         if any(p[0] == "S" for p in lay.placements):
             key = self._partial_key(t, vid, lay)
@@ -325,13 +324,14 @@ class Placements:
                 self._warn(f"a shard layout did not fit its tensor ({type(e).__name__}: {e}); recorded as the rank's own")
                 del self.by_vid[vid]
                 return
-        line = _line(vid, lay, partial, id(t) in self.row_partials)
+        rows = None
         if lay.placements == ("S0",) and t.dim() >= 1 and (lay.src == "declared" or lay.why == "topk_margin"
                                                             or self._rows_here()):
             # (whole rows of a declared block, a top-k margin, a value made inside a module declared S(0) (a
             # router's scores, ids, weights): which rows differ, hash mode too)
-            line["rh"] = row_hexes(t)
-        self.out.add(line)
+            rows = row_hexes(t)
+        self.out.add(Layout(vid, lay.mesh, list(lay.placements), list(lay.gshape), list(lay.offsets), lay.src,
+                            partial, id(t) in self.row_partials, lay.why, row_hashes=rows).to_json())
 
     def _partial_key(self, t, vid: int, lay: Lay) -> tuple | None:
         """The key under which `t`'s partial is kept (`_PARTIALS`), or None: a parameter's block, or a view of one,
@@ -377,19 +377,6 @@ def _block_row_bytes(t, lay: Lay, code: str) -> bytes | None:
     else:
         rows = t
     return rows_bytes(row_fingerprints(rows, g, o))
-
-
-def _line(vid: int, lay: Lay, partial, row_partials: bool) -> dict:
-    """`Layout(...).to_json()` of a value's layout, built straight (one a value, every forward)."""
-    line = {"v": vid, "M": lay.mesh, "p": list(lay.placements), "g": list(lay.gshape), "o": list(lay.offsets),
-            "src": lay.src}
-    if partial is not None:
-        line["h"] = partial
-    if row_partials:
-        line["rp"] = 1
-    if lay.why:
-        line["why"] = lay.why
-    return line
 
 
 def _dtensor_layout(t, mesh, shape: tuple, src: str, mesh_id, warn) -> Lay | None:
