@@ -33,14 +33,16 @@ def config():
                          num_experts_per_tok=TOPK)
 
 
-def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool = True, router: str | None = None):
+def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool = True, router: str | None = None,
+          split: bool = False):
     """The model on rank `rank` of EP=`world` (the 1-rank model's weights, which a seed fixes, this rank's experts
     of them). `plant`: None, "kernel" or "combine" (the planted side's code; the other side passes None).
     `declare=False`: the routing is not declared (divtrace.routed is not called). `router`: None (every rank
     routes all tokens inline, then takes its share), else a `Gate` module at `moe.router` routing this rank's share
     of the tokens, with the near-tie planted in the gate's weights (plant_tie): "fp32" (softmax in float32),
     "bf16" (softmax and top-k over bfloat16 scores), "fp32-renorm" (float32, the chosen weights renormalized as
-    w * (1 / sum): other bits, the same experts)."""
+    w * (1 / sum): other bits, the same experts). `split`: the experts take their rows by `rows.split(counts)`
+    (aten.split_with_sizes along dim 0) instead of slices."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -84,8 +86,9 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool
 
         def forward(self, rows, counts):
             outs, start = [], 0
+            chunks = rows.split(counts) if split else None
             for e in range(n_local):
-                x = rows[start:start + counts[e]]
+                x = chunks[e] if split else rows[start:start + counts[e]]
                 start += counts[e]
                 gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
                 silu, manual = F.silu(gate), gate * torch.sigmoid(gate)  # (both, on every rank: the same ops)
