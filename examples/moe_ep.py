@@ -4,7 +4,10 @@
     torchrun --nproc-per-node 2 examples/moe_ep.py full     # EP=2: 4 experts on each rank      -> runs/ep2
     divtrace bisect runs/ep2 runs/ep1                       # identical
     torchrun --nproc-per-node 2 examples/moe_ep.py full --plant weight --out runs/ep2-weight
-    divtrace bisect runs/ep2-weight runs/ep1                # the experts, their (token, slot) rows, the op
+    divtrace bisect runs/ep2-weight runs/ep1                # exit 1: the experts, their (token, slot) rows, the op
+
+(from the repository root, with divtrace installed: `bash scripts/setup.sh`, then `. .venv/bin/activate`;
+tests/test_example_moe_ep.py runs these commands.)
 
 MODE (full or hash) is record's mode. Two MoE layers (sizes from HF's MixtralConfig, random weights fixed by a
 seed): router Linear, softmax in fp32, top-2 of 8, weights renormalized; SwiGLU experts. Each rank takes its share
@@ -16,6 +19,7 @@ down-projection is stale (a weight sync that missed it). Recording is two things
 """
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -43,10 +47,8 @@ class Experts(nn.Module):
         self.first = first
 
     def forward(self, rows, counts):
-        outs, start = [], 0
-        for e, n in enumerate(counts):  # (slices, not rows.split(counts): bisect follows a row through slices)
-            x = rows[start:start + n]
-            start += n
+        outs = []
+        for e, x in enumerate(rows.split(counts)):  # each expert's rows (bisect follows a row through the split)
             gate, up = F.linear(x, self.w1[e]), F.linear(x, self.w3[e])
             outs.append(F.linear(F.silu(gate) * up, self.w2[e]))
         return torch.cat(outs)
@@ -151,6 +153,7 @@ def main():
     with torch.no_grad(), divtrace.record(model, out, mode=a.mode, layouts=LAYOUTS, mesh={"ep": None},
                                           overwrite=True):
         model(inputs())  # rank K records into OUT/rank-K
+    sys.stdout.write(f"rank {rank} of {world}: recorded {out}/rank-{rank}\n")  # (one write: ranks share stdout)
     dist.destroy_process_group()
 
 
