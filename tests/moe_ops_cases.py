@@ -137,14 +137,7 @@ def flipped_worker(rank, world, root, cases):
 
 def split_worker(rank, world, root, cases):
     """As `worker`, with the experts taking their rows by `rows.split(counts)` (moe_cases.build(split=True))."""
-    import torch
+    from moe_cases import record_cases
 
-    import divtrace
-
-    torch.set_num_threads(1)
-    for name, mode, plant in cases:
-        m = build(world, rank, plant, split=True)
-        with torch.no_grad(), divtrace.record(m, os.path.join(root, name), mode=mode, layouts=LAYOUTS,
-                                              mesh={"ep": None}):
-            m(inputs())
+    record_cases(root, cases, lambda plant: build(world, rank, plant, split=True), inputs, LAYOUTS, lambda m: None)
     return {name: truth(build(world, rank, plant, split=True), world) for name, _, plant in cases}

@@ -17,7 +17,7 @@ unplanted routing hits as many on each). Plants (the EP side's code; the other s
 """
 from __future__ import annotations
 
-import os
+from moe_cases import record_cases, routed_forward
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 16, 24, 8, 2, 4
 LAYOUTS = {r"moe\.experts": {"input": "T@ep", "output": "T@ep"},
@@ -80,11 +80,8 @@ def find_plant():
 
 def build(world: int = 1, rank: int = 0, plant: str | None = None):
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
     from torch import nn
-
-    import divtrace
 
     seed, tok, e_old, e_new = find_plant()
     gate_w, _, gate_up, down = _data(seed)
@@ -124,7 +121,7 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None):
             return torch.cat(outs)
 
     class Combine(nn.Module):
-        def forward(self, back, weights, pos):
+        def forward(self, back, weights, pos, ids):
             y = weights[:, 0:1] * back[pos[:, 0]]
             for j in range(1, pos.shape[1]):
                 y = y + weights[:, j:j + 1] * back[pos[:, j]]
@@ -140,42 +137,14 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None):
             if lo <= tok < lo + per:
                 mask[tok - lo, k - 1] = True
             self.mask = mask
+            self.n_experts = E
 
         def forward(self, x):
-            n = x.shape[0]
             xs = x[lo:lo + per]
             _, w_l, ids_l = self.router(xs)
             if plant == "inline":  # the token's last slot sent to another expert (every rank: the same ops)
                 ids_l = torch.where(self.mask, torch.full_like(ids_l, e_new), ids_l)
-            flat = ids_l.reshape(-1)
-            order = torch.argsort(flat, stable=True)
-            send = xs.repeat_interleave(k, dim=0)[order]
-            meta = torch.stack([lo + torch.arange(per * k) // k, torch.arange(per * k) % k, flat], 1)[order]
-            send_splits = torch.bincount(flat, minlength=E).view(world, n_local).sum(1)
-            recv_splits = torch.empty_like(send_splits)
-            dist.all_to_all_single(recv_splits, send_splits)
-            ins, outs = send_splits.tolist(), recv_splits.tolist()
-            recv = x.new_empty(sum(outs), HIDDEN)
-            dist.all_to_all_single(recv, send, outs, ins)
-            recv_meta = meta.new_empty(sum(outs), 3)
-            dist.all_to_all_single(recv_meta, meta, outs, ins)
-            by_expert = torch.argsort(recv_meta[:, 2], stable=True)
-            rows, rmeta = recv[by_expert], recv_meta[by_expert]
-            divtrace.routed(rows, tokens=rmeta[:, 0], slots=rmeta[:, 1], experts=rmeta[:, 2], n_tokens=n, top_k=k)
-            self.experts.routing = rmeta  # (for the tests' hooks)
-            counts = torch.bincount(rmeta[:, 2] - first, minlength=n_local).tolist()
-            done = self.experts(rows, counts)
-            back_send = torch.empty_like(done)
-            back_send[by_expert] = done
-            back = x.new_empty(send.shape)
-            dist.all_to_all_single(back, back_send, ins, outs)
-            divtrace.routed(back, tokens=meta[:, 0], slots=meta[:, 1], experts=meta[:, 2], n_tokens=n, top_k=k)
-            pos = torch.empty_like(order)
-            pos[order] = torch.arange(order.numel())
-            y_loc = self.combine(back, w_l.to(x.dtype), pos.view(per, k))
-            parts = [torch.empty_like(y_loc) for _ in range(world)]
-            dist.all_gather(parts, y_loc)
-            return torch.cat(parts)
+            return routed_forward(self, x, xs, ids_l, w_l.to(x.dtype), lo=lo, world=world, first=first)
 
     class Net(nn.Module):
         def __init__(self):
@@ -220,16 +189,5 @@ def capture(model, rank: int, world: int):
 
 def worker(rank, world, root, cases):
     """Record each case (name, mode, plant) at EP=`world` into root/name; each rank returns its hooks' captures."""
-    import torch
-
-    import divtrace
-
-    torch.set_num_threads(1)
-    out = {}
-    for name, mode, plant in cases:
-        m = build(world, rank, plant)
-        with torch.no_grad(), divtrace.record(m, os.path.join(root, name), mode=mode, layouts=LAYOUTS,
-                                              mesh={"ep": None}):
-            m(inputs())
-        out[name] = capture(m, rank, world)
-    return out
+    return record_cases(root, cases, lambda plant: build(world, rank, plant), inputs, LAYOUTS,
+                        lambda m: capture(m, rank, world))
