@@ -33,20 +33,19 @@ def config():
                          num_experts_per_tok=TOPK)
 
 
-def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool = True, router: str | None = None):
+def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool = True, router: str | None = None,
+          split: bool = False):
     """The model on rank `rank` of EP=`world` (the 1-rank model's weights, which a seed fixes, this rank's experts
     of them). `plant`: None, "kernel" or "combine" (the planted side's code; the other side passes None).
     `declare=False`: the routing is not declared (divtrace.routed is not called). `router`: None (every rank
     routes all tokens inline, then takes its share), else a `Gate` module at `moe.router` routing this rank's share
     of the tokens, with the near-tie planted in the gate's weights (plant_tie): "fp32" (softmax in float32),
     "bf16" (softmax and top-k over bfloat16 scores), "fp32-renorm" (float32, the chosen weights renormalized as
-    w * (1 / sum): other bits, the same experts)."""
+    w * (1 / sum): other bits, the same experts). `split`: the experts take their rows by `rows.split(counts)`
+    (aten.split_with_sizes along dim 0) instead of slices."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
     from torch import nn
-
-    import divtrace
 
     cfg = config()
     E, k, H, FF = cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size
@@ -84,8 +83,9 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool
 
         def forward(self, rows, counts):
             outs, start = [], 0
+            chunks = rows.split(counts) if split else None
             for e in range(n_local):
-                x = rows[start:start + counts[e]]
+                x = chunks[e] if split else rows[start:start + counts[e]]
                 start += counts[e]
                 gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
                 silu, manual = F.silu(gate), gate * torch.sigmoid(gate)  # (both, on every rank: the same ops)
@@ -115,6 +115,7 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool
                 self.router = Gate()
             self.experts = Experts()
             self.combine = Combine()
+            self.n_experts = E
 
         def forward(self, x):
             n = x.shape[0]
@@ -129,38 +130,7 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool
                 xs = x[lo:lo + per]
                 _, w_l, ids_l = self.router(xs)
                 w_l = w_l.to(x.dtype)
-            flat = ids_l.reshape(-1)  # row i: token lo + i // k, slot i % k
-            order = torch.argsort(flat, stable=True)  # by expert, so by the rank that holds it
-            send = xs.repeat_interleave(k, dim=0)[order]
-            meta = torch.stack([lo + torch.arange(per * k) // k, torch.arange(per * k) % k, flat], 1)[order]
-            send_splits = torch.bincount(flat, minlength=E).view(world, n_local).sum(1)
-            recv_splits = torch.empty_like(send_splits)
-            dist.all_to_all_single(recv_splits, send_splits)
-            ins, outs = send_splits.tolist(), recv_splits.tolist()
-            recv = x.new_empty(sum(outs), H)
-            dist.all_to_all_single(recv, send, outs, ins)
-            recv_meta = meta.new_empty(sum(outs), 3)
-            dist.all_to_all_single(recv_meta, meta, outs, ins)
-            by_expert = torch.argsort(recv_meta[:, 2], stable=True)
-            rows, rmeta = recv[by_expert], recv_meta[by_expert]
-            if declare:
-                divtrace.routed(rows, tokens=rmeta[:, 0], slots=rmeta[:, 1], experts=rmeta[:, 2], n_tokens=n, top_k=k)
-            self.experts.routing = rmeta  # (for the tests' hooks)
-            counts = torch.bincount(rmeta[:, 2] - first, minlength=n_local).tolist()
-            done = self.experts(rows, counts)
-            back_send = torch.empty_like(done)
-            back_send[by_expert] = done
-            back = x.new_empty(send.shape)
-            dist.all_to_all_single(back, back_send, ins, outs)
-            if declare:
-                divtrace.routed(back, tokens=meta[:, 0], slots=meta[:, 1], experts=meta[:, 2], n_tokens=n, top_k=k)
-            self.combine.routing = meta
-            pos = torch.empty_like(order)
-            pos[order] = torch.arange(order.numel())
-            y_loc = self.combine(back, w_l, pos.view(per, k), ids_l)
-            parts = [torch.empty_like(y_loc) for _ in range(world)]
-            dist.all_gather(parts, y_loc)
-            return torch.cat(parts)
+            return routed_forward(self, x, xs, ids_l, w_l, lo=lo, world=world, first=first, declare=declare)
 
     class Net(nn.Module):
         def __init__(self):
@@ -171,6 +141,54 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool
             return x + self.moe(x)
 
     return Net().eval()
+
+
+def routed_forward(moe, x, xs, ids_l, w_l, *, lo: int, world: int, first: int, declare: bool = True):
+    """The expert-parallel rest of an MoE layer's forward, once this rank's tokens `xs` (global rows lo..) are routed
+    (`ids_l`, `w_l`: [tokens here, k]): each (token, slot) row to its expert's rank by all_to_all (its token, slot and
+    expert ids beside it), `moe.experts(rows, counts)` on the rows that came, the rows back, `moe.combine(back, w_l,
+    pos, ids_l)`, and an all_gather of every rank's tokens. Sets `moe.experts.routing` and `moe.combine.routing`
+    (for the tests' hooks). Shared with tests/moe_part_cases.py."""
+    import torch
+    import torch.distributed as dist
+
+    import divtrace
+
+    n, (per, k) = x.shape[0], ids_l.shape
+    E = moe.n_experts
+    n_local = E // world
+    flat = ids_l.reshape(-1)  # row i: token lo + i // k, slot i % k
+    order = torch.argsort(flat, stable=True)  # by expert, so by the rank that holds it
+    send = xs.repeat_interleave(k, dim=0)[order]
+    meta = torch.stack([lo + torch.arange(per * k) // k, torch.arange(per * k) % k, flat], 1)[order]
+    send_splits = torch.bincount(flat, minlength=E).view(world, n_local).sum(1)
+    recv_splits = torch.empty_like(send_splits)
+    dist.all_to_all_single(recv_splits, send_splits)
+    ins, outs = send_splits.tolist(), recv_splits.tolist()
+    recv = x.new_empty(sum(outs), x.shape[1])
+    dist.all_to_all_single(recv, send, outs, ins)
+    recv_meta = meta.new_empty(sum(outs), 3)
+    dist.all_to_all_single(recv_meta, meta, outs, ins)
+    by_expert = torch.argsort(recv_meta[:, 2], stable=True)
+    rows, rmeta = recv[by_expert], recv_meta[by_expert]
+    if declare:
+        divtrace.routed(rows, tokens=rmeta[:, 0], slots=rmeta[:, 1], experts=rmeta[:, 2], n_tokens=n, top_k=k)
+    moe.experts.routing = rmeta  # (for the tests' hooks)
+    counts = torch.bincount(rmeta[:, 2] - first, minlength=n_local).tolist()
+    done = moe.experts(rows, counts)
+    back_send = torch.empty_like(done)
+    back_send[by_expert] = done
+    back = x.new_empty(send.shape)
+    dist.all_to_all_single(back, back_send, ins, outs)
+    if declare:
+        divtrace.routed(back, tokens=meta[:, 0], slots=meta[:, 1], experts=meta[:, 2], n_tokens=n, top_k=k)
+    moe.combine.routing = meta
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel())
+    y_loc = moe.combine(back, w_l, pos.view(per, k), ids_l)
+    parts = [torch.empty_like(y_loc) for _ in range(world)]
+    dist.all_gather(parts, y_loc)
+    return torch.cat(parts)
 
 
 TIE_TOKEN = 8  # the token whose k-th and (k+1)-th experts tie in bf16 (routed by the last rank at EP=2)
@@ -235,6 +253,12 @@ def capture(model):
 
 def worker(rank, world, root, cases):
     """Record each case (name, mode, plant) at EP=`world` into root/name; each rank returns its hooks' captures."""
+    return record_cases(root, cases, lambda plant: build(world, rank, plant), inputs, LAYOUTS, capture)
+
+
+def record_cases(root, cases, make, inputs, layouts, capture) -> dict:
+    """Record each case (name, mode, plant): the model `make(plant)` run on `inputs()` with `layouts` over the group
+    "ep" (the world) into root/name; per case, `capture(model)` (hooks on an unrecorded forward)."""
     import torch
 
     import divtrace
@@ -242,8 +266,8 @@ def worker(rank, world, root, cases):
     torch.set_num_threads(1)
     out = {}
     for name, mode, plant in cases:
-        m = build(world, rank, plant)
-        with torch.no_grad(), divtrace.record(m, os.path.join(root, name), mode=mode, layouts=LAYOUTS,
+        m = make(plant)
+        with torch.no_grad(), divtrace.record(m, os.path.join(root, name), mode=mode, layouts=layouts,
                                               mesh={"ep": None}):
             m(inputs())
         out[name] = capture(m)

@@ -133,3 +133,11 @@ def flipped_worker(rank, world, root, cases):
         m = flipped(build(world, rank, plant))
         with torch.no_grad(), divtrace.record(m, os.path.join(root, name), mode=mode, layouts=LAYOUTS, mesh={"ep": None}):
             m(inputs())
+
+
+def split_worker(rank, world, root, cases):
+    """As `worker`, with the experts taking their rows by `rows.split(counts)` (moe_cases.build(split=True))."""
+    from moe_cases import record_cases
+
+    record_cases(root, cases, lambda plant: build(world, rank, plant, split=True), inputs, LAYOUTS, lambda m: None)
+    return {name: truth(build(world, rank, plant, split=True), world) for name, _, plant in cases}

@@ -35,7 +35,7 @@ def trace_seen(t: Trace, side: str, other: Trace) -> TraceSeen:
         how_far = progress(t, other)
     return TraceSeen(side, str(t.path), t.complete, status,
                      t.meta.get("error") if isinstance(t.meta.get("error"), str) else None,
-                     how_far, unseen_of(t.meta), missing)
+                     how_far, unseen_of(t.meta), missing, [str(x) for x in t.meta.get("parted") or []])
 
 
 @dataclass

@@ -14,7 +14,8 @@ for its verdict, so "identical" means the same thing everywhere:
   after it absorbs). Neither identical nor diverged; the absorbed differences are listed.
 - **inconclusive** (exit 3): anything else, and it wins over absorbed. The reason names the trace, its status,
   how far it got, and what to do next; or the coverage gap (tokens only one side fed, calls left unpaired) that
-  makes "identical" impossible.
+  makes "identical" impossible; or, for a run directory whose ranks ran different ops (`parted`), where they part
+  (the record, each rank's op and its module): divtrace saw those ops, but past them nothing can be compared.
 
 The function is pure (no torch, no trace reading): callers say what they saw. `progress` turns a trace that
 stopped early into words, from duck-typed traces (`.calls` of `ModuleCall`s, `.path`).
@@ -48,6 +49,7 @@ class TraceSeen:
     progress: str | None = None  # how far an incomplete trace got, in words (`progress()`)
     unseen: list[str] = field(default_factory=list)  # meta.json "unseen": what ran without divtrace seeing it
     missing_ranks: list[int] = field(default_factory=list)  # a run directory's ranks with no trace folder
+    parted: list[str] = field(default_factory=list)  # a run directory's ranks whose op sequences part, in words
 
 
 @dataclass
@@ -64,12 +66,13 @@ class Coverage:
     unseen: dict = field(default_factory=dict)  # {"a": [...], "b": [...]}
     unit: str = "calls"  # what calls_compared / only_a / only_b count: "calls" or "tokens"
     gaps: list = field(default_factory=list)  # what was not compared and should have been (the "coverage" reason)
+    parted: dict = field(default_factory=dict)  # {"a": [...], "b": [...]}: where a run's ranks ran different ops
 
     def to_dict(self) -> dict:
         return {"calls_compared": self.calls_compared, "only_a": self.only_a, "only_b": self.only_b,
                 "final_compared": self.final_compared, "final_equal": self.final_equal,
                 "final_note": self.final_note, "complete": dict(self.complete), "unseen": dict(self.unseen),
-                "unit": self.unit, "gaps": list(self.gaps)}
+                "unit": self.unit, "gaps": list(self.gaps), "parted": dict(self.parted)}
 
 
 @dataclass
@@ -166,13 +169,18 @@ def decide(*, origin_found: bool, within_tolerance: bool, final_compared: bool, 
     """
     cov = Coverage(calls_compared, only_a, only_b, final_compared, final_equal if final_compared else None,
                    None if final_compared else final_note, {"a": a.complete, "b": b.complete},
-                   {"a": list(a.unseen), "b": list(b.unseen)}, unit, list(gaps or []))
+                   {"a": list(a.unseen), "b": list(b.unseen)}, unit, list(gaps or []),
+                   {t.side: list(t.parted) for t in (a, b) if t.parted})
     incomplete = [t for t in (a, b) if not t.complete]
+    parted = [t for t in (a, b) if t.parted]
     if origin_found:
         reason = "the runs diverge (`first` says where, and whether its inputs were still equal)"
         if incomplete:
             reason += ("; the divergence is real, but " + "; ".join(map(_incomplete, incomplete))
                        + ", so later divergences may be missing")
+        for t in parted:
+            reason += (f"; the ranks of {t.path} then ran different ops ({'; '.join(t.parted)}): nothing past that "
+                       "was compared, so later divergences may be missing")
         return Verdict(DIVERGED, reason, cov, EXIT_CODES[DIVERGED])
     why = []
     for t in incomplete:
@@ -188,10 +196,15 @@ def decide(*, origin_found: bool, within_tolerance: bool, final_compared: bool, 
             why.append(f"trace {t.path} ran computation divtrace did not see ({'; '.join(t.unseen)}): what was "
                        "compared may not be what ran; record it eagerly (no torch.compile regions without taps, no "
                        "CUDA-graph replays) to compare every step")
+    for t in parted:
+        why.append(f"the ranks of {t.path} ran different ops ({'; '.join(t.parted)}), and no divergence was found "
+                   "before that: past it their values cannot be put together into global values, so nothing there "
+                   "was compared; find why the ranks' ops part there (an MoE experts' loop that runs only the "
+                   "experts that got rows runs fewer ops on a rank whose expert got none: the routing differs)")
     if gaps:
         why.append("coverage: " + "; ".join(gaps) + ": the runs did not do the same work, so they cannot be called "
                    "identical (compare runs of the same prompts, or find what one side left out)")
-    if not incomplete and not final_compared:
+    if not incomplete and not parted and not final_compared:
         why.append(f"the final outputs were not compared ({final_note or 'no final output pair'}); make both runs "
                    "make the same calls (or pass --map FILE where the stacks name modules differently)")
     elif not incomplete and final_equal is False:

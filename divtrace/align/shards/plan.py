@@ -58,6 +58,7 @@ class Group:
     limit: int  # records of the representative that every rank of the group holds alike
     values: dict[int, ValuePlan] = field(default_factory=dict)
     unsure: bool = False  # a one-rank group that may have had a tensor-parallel partner among the missing ranks
+    aligned: dict = field(default_factory=dict)  # rank -> how many leading records it holds alike with the rep's
 
     @property
     def rep(self) -> int:
@@ -164,12 +165,13 @@ class Planner:
             sigs[()] = [unplaced.pop(0)]
         out = []
         for ranks in sorted(sigs.values()):
-            limit = min(self.aligned(ranks[0], q) for q in ranks)
+            aligned = {q: self.aligned(ranks[0], q) for q in ranks}
+            limit = min(aligned.values())
             # A missing rank, or one that stopped before its first root call, could have been a one-rank group's
             # tensor-parallel partner: its plain values are then not taken for whole ones.
             unsure = (len(ranks) == 1 and bool(self.run.missing or unplaced)
                       and _tp_involved(self.run.layouts[ranks[0]]))
-            out.append(Group(ranks, limit, unsure=unsure))
+            out.append(Group(ranks, limit, unsure=unsure, aligned=aligned))
         return out
 
     # -- values ---------------------------------------------------------------------------------------------

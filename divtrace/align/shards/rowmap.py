@@ -2,7 +2,8 @@
 
 An expert block runs its ops on slices of the rows routed to its rank (one expert at a time). Starting from the
 call's routed inputs, whose routing says each local row's global row (token * top_k + slot), a row map follows the
-rows through the ops whose row semantics the record proves: a slice or split, a row-wise op (elementwise, with
+rows through the ops whose row semantics the record proves: a slice or split (along dim 0 each chunk keeps its rows,
+offset by its start; along another dim every chunk keeps them all), a row-wise op (elementwise, with
 every other input broadcast along the rows), a matmul of the rows by a weight, a reshape that keeps dim 0, a cat.
 Any other op ends the map (its outputs hold no known rows): nothing is guessed.
 
@@ -82,8 +83,11 @@ def _carry(t, rec, rows: dict) -> list | None:
     if name in _SPLIT:
         r = rows.get(x)
         dim = args[2] if len(args) > 2 else (rec.kwargs or {}).get("dim", 0)
-        if name in ("unbind",) or r is None or _dim(dim, len(_shape(t, x))) in (None, 0):
+        d = _dim(dim, len(_shape(t, x)))
+        if name in ("unbind",) or r is None or d is None:
             return None
+        if d == 0:
+            return _split_rows(t, rec, name, args, r)
         return [r] * len(rec.outputs)
     if name in _MATMUL:
         pos = _MATMUL[name]
@@ -108,6 +112,31 @@ def _carry(t, rec, rows: dict) -> list | None:
     if name in _ROWWISE:
         return _rowwise(t, rec, rows)
     return None
+
+
+def _split_rows(t, rec, name: str, args: list, r: tuple) -> list | None:
+    """A split along dim 0: each chunk keeps its rows, offset by the chunk's start. The chunks' sizes come from the
+    op's arguments (split: a size; split_with_sizes: the sizes; chunk: a count), and every output must hold them."""
+    n, arg = len(r), args[1] if len(args) > 1 else None
+    if name in ("split_with_sizes",):
+        sizes = list(arg) if isinstance(arg, list) and all(isinstance(a, int) and a >= 0 for a in arg) else None
+    elif isinstance(arg, int) and arg > 0:
+        size = arg if name in ("split", "unsafe_split") else -(-n // arg)  # chunk: ceil(n / chunks)
+        sizes = [min(size, n - s) for s in range(0, n, size)] if size else None
+        if name in ("chunk", "unsafe_chunk") and n == 0:
+            sizes = None
+    else:
+        sizes = None
+    if sizes is None or sum(sizes) != n or len(sizes) != len(rec.outputs):
+        return None
+    out, start = [], 0
+    for v, size in zip(rec.outputs, sizes):
+        shape = _shape(t, v)
+        if not shape or shape[0] != size:
+            return None
+        out.append(r[start:start + size])
+        start += size
+    return out
 
 
 def _rowwise(t, rec, rows: dict) -> list | None:

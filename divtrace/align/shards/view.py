@@ -171,14 +171,19 @@ class RunView(Trace):
         unseen = []
         for t in run.traces.values():
             unseen += [u for u in (t.meta.get("unseen") or []) if u not in unseen]
+        from divtrace.align.shards.parted import partings
+
+        parted = partings(run, self.groups)
         last = self._last_root_outputs()
-        if complete and last and all(type(self.vkey[v]) is RankLocal for _, v in last):
+        if complete and not parted and last and all(type(self.vkey[v]) is RankLocal for _, v in last):
             unseen.append("the final output is each rank's own piece and no layout says how the pieces make the "
                           "whole, so it cannot be compared with another run's")
         out = {"complete": complete, "status": "complete" if complete else "; ".join(parts), "unseen": unseen,
                "label": self.meta.get("label") or self.path.name,
                "run": {"world_size": run.world_size, "ranks": run.ranks, "missing": run.missing,
                        "groups": [g.ranks for g in self.groups]}}
+        if parted:
+            out["parted"] = parted
         if not complete:
             errs = [f"rank {r}: {t.meta['error']}" for r, t in run.traces.items() if t.meta.get("error")]
             out["error"] = "; ".join(errs) or None
