@@ -23,7 +23,7 @@ import torch
 
 from divtrace.errors import DivtraceError
 from divtrace.record.routing import Routes, routed_gshape, routed_partial, row_hexes
-from divtrace.record.shard_rules import Lay, propagate
+from divtrace.record.shard_rules import Lay, ruled_layouts
 from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes, strided_row_fingerprints
 from divtrace.trace.hashing.tensor import partial_hex, tensor_partial, to_hex
 from divtrace.trace.layouts import Layout, LayoutWriter, Mesh
@@ -272,7 +272,7 @@ class Placements:
             by_vid = self.by_vid
             ins = tuple((p.shape, by_vid.get(v)) for p, v in zip(plain_in, vids_in))
             if any(x[1] is not None for x in ins):  # (no input with a layout: none to carry)
-                ruled = _ruled(func, name, args, ins, tensors_in, plain_in, vids_in, by_vid, plain_out)
+                ruled = ruled_layouts(func, name, args, ins, tensors_in, plain_in, vids_in, by_vid, plain_out)
                 if ruled is not None:
                     lays = [a or b for a, b in zip(lays, ruled)]
         for p, lay in zip(plain_out, lays):
@@ -425,82 +425,6 @@ def _storage_key(t) -> tuple | None:
         return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
     except Exception:
         return None
-
-
-# (op, its arguments with each tensor marked, each tensor argument's (local shape, layout), output shapes) ->
-# the rules' layouts of its outputs (or None: no rule input); every layer runs the same ops on the same layouts
-_RULED: dict[tuple, tuple | None] = {}
-_TENSOR = ("tensor",)  # a tensor's place in _ruled's key
-
-
-def _ruled(func, name: str, args, ins: tuple, tensors_in, plain_in, vids_in, by_vid, plain_out) -> tuple | None:
-    """`propagate`'s layouts for an op's outputs, or None where no tensor argument has a layout. Kept per key: the
-    arguments with tensors marked, in order, and each tensor's (shape, layout) in `tensors_in`'s order, fix
-    `_arg_items`'s answer (each tensor argument's position, shape and layout), so it is built on a miss only."""
-    try:
-        key = (func, _marked(args), ins, tuple(p.shape for p in plain_out))
-        got = _RULED.get(key, False)
-    except TypeError:  # (an argument that cannot be a key)
-        key, got = None, False
-    if got is not False:
-        return got
-    items = _arg_items(args, tensors_in, plain_in, vids_in, by_vid)
-    if items is not None:
-        pointwise = torch.Tag.pointwise in getattr(func, "tags", ())
-        got = tuple(propagate(name, pointwise, args, items, [tuple(p.shape) for p in plain_out]))
-    else:
-        got = None
-    if key is not None:
-        if len(_RULED) >= 4096:
-            _RULED.clear()
-        _RULED[key] = got
-    return got
-
-
-def _marked(args) -> tuple:
-    """`args` with each tensor as `_TENSOR` (lists and tuples one level down too: `_arg_items` looks no deeper, and
-    a deeper list raises TypeError, so the op is not kept); the rest as it is."""
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(_TENSOR)
-        elif type(a) in (list, tuple):
-            out.append(tuple(_TENSOR if isinstance(x, torch.Tensor) else _flat(x) for x in a))
-        else:
-            out.append(a)
-    return tuple(out)
-
-
-def _flat(x):
-    if isinstance(x, (list, tuple, dict)):
-        raise TypeError("nested")
-    return x
-
-
-def _arg_items(args, tensors_in, plain_in, vids_in, by_vid) -> dict | None:
-    """Position of each tensor argument (int, or (position, k) in a list) -> (local shape, layout or None)."""
-    of, laid = {}, False
-    for t, p, v in zip(tensors_in, plain_in, vids_in):
-        lay = by_vid.get(v)
-        laid = laid or lay is not None
-        of[id(t)] = (tuple(p.shape), lay)
-    if not laid:
-        return None
-    items = {}
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            e = of.get(id(a))
-            if e is not None:
-                items[i] = e
-        elif isinstance(a, (list, tuple)):
-            for k, x in enumerate(a):
-                if isinstance(x, torch.Tensor):
-                    e = of.get(id(x))
-                    if e is not None:
-                        items[(i, k)] = e
-    if not any(v[1] is not None for v in items.values()):
-        return None
-    return items
 
 
 def _style_of(module):
