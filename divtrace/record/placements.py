@@ -23,7 +23,7 @@ import torch
 
 from divtrace.errors import DivtraceError
 from divtrace.record.routing import Routes, routed_gshape, routed_partial, row_hexes
-from divtrace.record.shard_rules import Lay, propagate
+from divtrace.record.shard_rules import Lay, ruled_layouts
 from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes, strided_row_fingerprints
 from divtrace.trace.hashing.tensor import partial_hex, tensor_partial, to_hex
 from divtrace.trace.layouts import Layout, LayoutWriter, Mesh
@@ -268,12 +268,13 @@ class Placements:
         lays = [self.dtensor_lay(t) if t is not p else None for t, p in zip(outs, plain_out)]
         if collective_lays is not None:
             lays = [a or b for a, b in zip(lays, collective_lays)]
-        elif not all(lays) and any(v in self.by_vid for v in vids_in):  # (no input with a layout: none to carry)
-            items = _arg_items(args, tensors_in, plain_in, vids_in, self.by_vid)
-            if items is not None:
-                pointwise = torch.Tag.pointwise in getattr(func, "tags", ())
-                ruled = propagate(name, pointwise, args, items, [tuple(p.shape) for p in plain_out])
-                lays = [a or b for a, b in zip(lays, ruled)]
+        elif not all(lays):
+            by_vid = self.by_vid
+            ins = tuple((p.shape, by_vid.get(v)) for p, v in zip(plain_in, vids_in))
+            if any(x[1] is not None for x in ins):  # (no input with a layout: none to carry)
+                ruled = ruled_layouts(func, name, args, ins, tensors_in, plain_in, vids_in, by_vid, plain_out)
+                if ruled is not None:
+                    lays = [a or b for a, b in zip(lays, ruled)]
         for p, lay in zip(plain_out, lays):
             if lay is not None:
                 self.pending[id(p)] = lay
@@ -353,22 +354,29 @@ class Placements:
             self.warnings.append(msg)
 
 
+_ROW_PLANS: dict[tuple, tuple | None] = {}  # (code, layout, shape) -> _row_plan's answer
+
+
 def _block_row_bytes(t, lay: Lay, code: str) -> bytes | None:
     """`Placements.shard_rows` for a value with layout `lay`: the partials of its token rows, or None."""
-    if not any(p[0] == "S" for p in lay.placements):
+    key = (code, lay, t.shape)
+    plan = _ROW_PLANS.get(key, False)
+    if plan is False:  # (a function of the layout and the shape: every layer's values repeat a few)
+        plan = _row_plan(t.shape, lay, code)
+        if len(_ROW_PLANS) >= 4096:
+            _ROW_PLANS.clear()
+        _ROW_PLANS[key] = plan
+    if plan is None:
         return None
-    nd = t.dim()
-    token_dims = {"bt": (0, 1), "bht": (0, 2), "n": (0,)}.get(code)
-    if token_dims is None or len(lay.gshape) != nd:
-        return None
-    if any(lay.gshape[d] != t.shape[d] or lay.offsets[d] for d in token_dims):
-        return None
-    row_dims = [d for d in range(nd) if d not in token_dims]
-    g, o = [lay.gshape[d] for d in row_dims], [lay.offsets[d] for d in row_dims]
+    g, o, n_rows = plan
     if t.is_cpu:  # read in place by the C kernel (same bytes as below, no torch ops: these run inside the mode)
-        got = strided_row_fingerprints(t, code, t.shape[0] * (t.shape[token_dims[1]] if code != "n" else 1), g, o)
+        got = strided_row_fingerprints(t, code, n_rows, g, o)
         if got is not None:
             return got
+        if code == "bht":  # rows not in place ([B, H, T, d] of local heads): one copy in [B, T, H, d] order
+            got = strided_row_fingerprints(t.transpose(1, 2).contiguous(), "bt", n_rows, g, o)
+            if got is not None:
+                return got
     if code == "bht":
         x = t.transpose(1, 2)
         rows = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
@@ -377,6 +385,22 @@ def _block_row_bytes(t, lay: Lay, code: str) -> bytes | None:
     else:
         rows = t
     return rows_bytes(row_fingerprints(rows, g, o))
+
+
+def _row_plan(shape, lay: Lay, code: str) -> tuple | None:
+    """(global row dims, the block's offsets in them, number of token rows) where a value of `shape` with layout
+    `lay` is cut along its row dims only (each token row a block of the global row), else None."""
+    if not any(p[0] == "S" for p in lay.placements):
+        return None
+    nd = len(shape)
+    token_dims = {"bt": (0, 1), "bht": (0, 2), "n": (0,)}.get(code)
+    if token_dims is None or len(lay.gshape) != nd:
+        return None
+    if any(lay.gshape[d] != shape[d] or lay.offsets[d] for d in token_dims):
+        return None
+    row_dims = [d for d in range(nd) if d not in token_dims]
+    return ([lay.gshape[d] for d in row_dims], [lay.offsets[d] for d in row_dims],
+            shape[0] * (shape[token_dims[1]] if code != "n" else 1))
 
 
 def _dtensor_layout(t, mesh, shape: tuple, src: str, mesh_id, warn) -> Lay | None:
@@ -401,32 +425,6 @@ def _storage_key(t) -> tuple | None:
         return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
     except Exception:
         return None
-
-
-def _arg_items(args, tensors_in, plain_in, vids_in, by_vid) -> dict | None:
-    """Position of each tensor argument (int, or (position, k) in a list) -> (local shape, layout or None)."""
-    of, laid = {}, False
-    for t, p, v in zip(tensors_in, plain_in, vids_in):
-        lay = by_vid.get(v)
-        laid = laid or lay is not None
-        of[id(t)] = (tuple(p.shape), lay)
-    if not laid:
-        return None
-    items = {}
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            e = of.get(id(a))
-            if e is not None:
-                items[i] = e
-        elif isinstance(a, (list, tuple)):
-            for k, x in enumerate(a):
-                if isinstance(x, torch.Tensor):
-                    e = of.get(id(x))
-                    if e is not None:
-                        items[(i, k)] = e
-    if not any(v[1] is not None for v in items.values()):
-        return None
-    return items
 
 
 def _style_of(module):

@@ -17,6 +17,8 @@ In: an op's name and arguments, each tensor argument's local shape and layout. O
 from __future__ import annotations
 
 from math import prod
+
+import torch
 from typing import NamedTuple
 
 
@@ -383,3 +385,80 @@ def margin_layout(shape, lay: Lay | None, dim: int) -> Lay | None:
     got = propagate("aten.amax.default", False, [None, [dim]], {0: (tuple(shape), lay)},
                     [tuple(n for d, n in enumerate(shape) if d != dim % len(shape))])[0]
     return None if got is None else got._replace(why="topk_margin")
+
+
+# (op, its arguments with each tensor marked, each tensor argument's (local shape, layout), output shapes) ->
+# the rules' layouts of its outputs (or None: no rule input); every layer runs the same ops on the same layouts
+_RULED: dict[tuple, tuple | None] = {}
+_TENSOR = ("tensor",)  # a tensor's place in ruled_layouts' key
+
+
+def ruled_layouts(func, name: str, args, ins: tuple, tensors_in, plain_in, vids_in, by_vid, plain_out) -> tuple | None:
+    """`propagate`'s layouts for an op's outputs (record/placements.Placements.op_outputs), or None where no tensor
+    argument has a layout; `ins`: each tensor argument's (local shape, layout or None), in `tensors_in`'s order.
+    Kept per key: the arguments with tensors marked, in order, and `ins` fix `_arg_items`'s answer (each tensor
+    argument's position, shape and layout), so it is built on a miss only."""
+    try:
+        key = (func, _marked(args), ins, tuple(p.shape for p in plain_out))
+        got = _RULED.get(key, False)
+    except TypeError:  # (an argument that cannot be a key)
+        key, got = None, False
+    if got is not False:
+        return got
+    items = _arg_items(args, tensors_in, plain_in, vids_in, by_vid)
+    if items is not None:
+        pointwise = torch.Tag.pointwise in getattr(func, "tags", ())
+        got = tuple(propagate(name, pointwise, args, items, [tuple(p.shape) for p in plain_out]))
+    else:
+        got = None
+    if key is not None:
+        if len(_RULED) >= 4096:
+            _RULED.clear()
+        _RULED[key] = got
+    return got
+
+
+def _marked(args) -> tuple:
+    """`args` with each tensor as `_TENSOR` (lists and tuples one level down too: `_arg_items` looks no deeper, and
+    a deeper list raises TypeError, so the op is not kept); the rest as it is."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(_TENSOR)
+        elif type(a) in (list, tuple):
+            out.append(tuple(_TENSOR if isinstance(x, torch.Tensor) else _flat(x) for x in a))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def _flat(x):
+    if isinstance(x, (list, tuple, dict)):
+        raise TypeError("nested")
+    return x
+
+
+def _arg_items(args, tensors_in, plain_in, vids_in, by_vid) -> dict | None:
+    """Position of each tensor argument (int, or (position, k) in a list) -> (local shape, layout or None)."""
+    of, laid = {}, False
+    for t, p, v in zip(tensors_in, plain_in, vids_in):
+        lay = by_vid.get(v)
+        laid = laid or lay is not None
+        of[id(t)] = (tuple(p.shape), lay)
+    if not laid:
+        return None
+    items = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            e = of.get(id(a))
+            if e is not None:
+                items[i] = e
+        elif isinstance(a, (list, tuple)):
+            for k, x in enumerate(a):
+                if isinstance(x, torch.Tensor):
+                    e = of.get(id(x))
+                    if e is not None:
+                        items[(i, k)] = e
+    if not any(v[1] is not None for v in items.values()):
+        return None
+    return items
