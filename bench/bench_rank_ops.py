@@ -147,6 +147,10 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "") -> dict:
                 rec()
             out["split_ms"] = {k: round(1e3 * v / 6, 1) for k, v in sorted(_SPLIT.items(), key=lambda kv: -kv[1])}
             out["split_ms"]["whole recorded forward"] = round(1e3 * (time.thread_time() - t0) / 6, 1)
+            t0 = time.thread_time()
+            for _ in range(6):
+                plain()
+            out["split_ms"]["plain forward"] = round(1e3 * (time.thread_time() - t0) / 6, 1)
         elif profile < 0:  # (for a sampling profiler attached from outside: -N recorded forwards, nothing timed)
             for _ in range(-profile):
                 rec()
