@@ -138,7 +138,9 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "") -> dict:
         out["extra_ms"] = {"median": round(statistics.median(extra), 1), "min": round(min(extra), 1),
                            "max": round(max(extra), 1)}
         out["empty_block_ms"] = round(1e3 * statistics.median(e_cpu), 1)
-        out["gc_ms"] = {k: round(1e3 * statistics.median(v), 1) for k, v in gcs.items()}
+        out["gc_ms"] = {k: {"median": round(1e3 * statistics.median(v), 1), "max": round(1e3 * max(v), 1),
+                            "mean": round(1e3 * statistics.mean(v), 1)} for k, v in gcs.items()}
+        out["extra_ms"]["mean"] = round(statistics.mean(extra), 1)
         out["cpu_ratio"] = round(statistics.median(h / p for h, p in zip(cpu["hash_ops"], cpu["plain"])), 3)
         if profile == 1:  # (--profile 1: the split, over 6 recorded forwards)
             _split()
