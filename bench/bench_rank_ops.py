@@ -69,7 +69,23 @@ def _split() -> None:
                 depth[label] = 0
         setattr(cls, name, g)
 
-    for cls, name, label in ((TraceWriter, "close", "writer.close"), (TraceWriter, "new_value", "new_value (hash)"),
+    from divtrace.record import token_rows, values
+    from divtrace.record.token_store import TokenStoreWriter
+
+    from divtrace.trace import writer as writer_mod
+    from divtrace.trace.layouts import LayoutWriter
+    from divtrace.trace.side_files import ChecksummedFiles
+
+    for cls, name, label in ((LayoutWriter, "_write", "close: layout lines"),
+                             (writer_mod, "_record_line", "close: record lines"),
+                             (ChecksummedFiles, "write", "close: side files write"),
+                             (TokenStoreWriter, "hand_over", "close: token store hand_over"),
+                             (TraceWriter, "_write_meta", "close: meta.json"),
+                             (TraceWriter, "_write_records", "close: records write"),
+                             (token_rows, "strided_row_fingerprints", "token rows: kernel"),
+                             (TokenStoreWriter, "add_rows", "token rows: store"),
+                             (ValueIdentity, "_derived_view", "derived views"), (values, "copy_value", "copy_value"),
+                             (TraceWriter, "close", "writer.close"), (TraceWriter, "new_value", "new_value (hash)"),
                              (TokenRows, "rows", "token rows"), (ValueIdentity, "produced", "produced"),
                              (ValueIdentity, "vid_of", "vid_of"), (Placements, "op_outputs", "pl.op_outputs"),
                              (Placements, "bind_outputs", "pl.bind_outputs"), (Placements, "op_inputs", "pl.op_inputs"),
