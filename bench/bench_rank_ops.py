@@ -141,12 +141,15 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "") -> dict:
             e_cpu.append(time.process_time() - c0)
         cpu: dict = {"plain": [], "hash_ops": []}
         gcs: dict = {"plain": [], "hash_ops": []}
+        thread: dict = {"plain": [], "hash_ops": []}  # this thread's CPU only (gloo's threads, which poll while
+        # waiting for the other rank, left out)
         for r in range(rounds):
             order = (("plain", plain), ("hash_ops", rec)) if r % 2 == 0 else (("hash_ops", rec), ("plain", plain))
             for name, fn in order:
-                c0, g0 = time.process_time(), gc_s[1]
+                c0, g0, t0 = time.process_time(), gc_s[1], time.thread_time()
                 fn()
                 cpu[name].append(time.process_time() - c0)
+                thread[name].append(time.thread_time() - t0)
                 gcs[name].append(gc_s[1] - g0)
         out = {k: {"median_ms": round(1e3 * statistics.median(v), 1), "min_ms": round(1e3 * min(v), 1),
                    "max_ms": round(1e3 * max(v), 1)} for k, v in cpu.items()}
@@ -157,6 +160,11 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "") -> dict:
         out["gc_ms"] = {k: {"median": round(1e3 * statistics.median(v), 1), "max": round(1e3 * max(v), 1),
                             "mean": round(1e3 * statistics.mean(v), 1)} for k, v in gcs.items()}
         out["extra_ms"]["mean"] = round(statistics.mean(extra), 1)
+        t_extra = [1e3 * (h - p) for h, p in zip(thread["hash_ops"], thread["plain"])]
+        out["thread"] = {"plain_ms": round(1e3 * statistics.median(thread["plain"]), 1),
+                         "extra_ms": {"median": round(statistics.median(t_extra), 1), "min": round(min(t_extra), 1),
+                                      "max": round(max(t_extra), 1)},
+                         "ratio": round(statistics.median(h / p for h, p in zip(thread["hash_ops"], thread["plain"])), 3)}
         out["cpu_ratio"] = round(statistics.median(h / p for h, p in zip(cpu["hash_ops"], cpu["plain"])), 3)
         if profile == 1:  # (--profile 1: the split, over 6 recorded forwards)
             _split()
