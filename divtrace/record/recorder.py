@@ -47,7 +47,9 @@ def freeze_gc() -> bool:
     records and lines a recording keeps until they are written survive the young generations, so Python's full
     collection ran about once every few recordings of a forward, walking the ~300k objects torch and
     transformers hold: ~170 ms each time (bench/bench_rank_ops.py, TP=1: 23 ms a recorded forward on average);
-    frozen, a collection walks what the block made. Cyclic garbage of older objects waits for the block's end."""
+    frozen, a collection walks what the block made. Cyclic garbage of older objects waits for the block's end.
+    (gc.get_freeze_count walks the frozen objects: cheap where none are, as here at the start of a block; a
+    process that froze ~400k objects itself pays ~20-40 ms a block for the question.)"""
     if gc.get_freeze_count() or not gc.isenabled():
         return False
     gc.freeze()
@@ -156,7 +158,7 @@ class Recorder:
             self.op_records.push_mode()
         self._session.start()
         self._signals.install(self.writer)
-        self._froze_gc = freeze_gc()
+        self._froze_gc = self.rank is None and freeze_gc()  # (a rank froze them in attach_rank already)
         return self
 
     def routed(self, rows, *, tokens, slots, n_tokens: int, top_k: int, experts=None) -> None:
