@@ -20,9 +20,10 @@ from divtrace.record.lifecycle import ACTIVE as _ACTIVE
 from divtrace.record.lifecycle import BUSY as _BUSY
 from divtrace.record.lifecycle import STATE as _STATE
 from divtrace.record.lifecycle import owners as _owners
-from divtrace.record.values import op_tensors
+from divtrace.record.values import op_inputs, op_tensors
 from divtrace.trace.records import OpRecord
 
+_NO_LOCALS: dict = {}  # (never written: an op whose tensors are all plain maps none to another)
 _MUTATED: dict = {}  # op overload -> [(position, name)] of the arguments it writes to
 
 
@@ -119,13 +120,21 @@ class OpRecorder:
             if written_early:
                 self._values.bumped = {id(y) for pos, key in mutated
                                        for y in op_tensors(args[pos] if pos < len(args) else kwargs.get(key), [])}
-            tensors_in = op_tensors((args, kwargs), [])
+            tensors_in = op_inputs(args, kwargs)
             plain_in = [self._plain(t, func) for t in tensors_in]
-            plain = all(p is not None for p in plain_in)  # not `None in`: that runs Tensor.__eq__
+            plain = True
+            local = _NO_LOCALS  # id(tensor) -> its plain tensor, where that is another (a DTensor's local one)
+            for t, p in zip(tensors_in, plain_in):
+                if p is not t:
+                    if p is None:
+                        plain = False
+                        break
+                    if local is _NO_LOCALS:
+                        local = {}
+                    local[id(t)] = p
             if plain:
                 values: list = []
                 vids: list[int] = []
-                local = {id(t): p for t, p in zip(tensors_in, plain_in)}
                 enc_args = [self._encode(a, values, vids, local) for a in args]
                 enc_kwargs = {k: self._encode(v, values, vids, local) for k, v in kwargs.items()}
                 if self.placements is not None:

@@ -22,6 +22,8 @@ Defined behaviour at the edges (the parts' docstrings say more):
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from divtrace.errors import DivtraceError
@@ -36,6 +38,22 @@ from divtrace.trace.derived_views import VIEW_KEY
 from divtrace.trace.writer import TraceWriter
 from divtrace.trace.layouts import LAYOUTS
 from divtrace.trace.token_store import TOKEN_FILES
+
+
+def freeze_gc() -> bool:
+    """Leave the objects that exist when a block starts out of garbage collection until it ends (`gc.freeze`,
+    undone by `gc.unfreeze` at its end), unless the process froze objects itself (a forking server such as vLLM
+    does; a rank of a sharded run has done it already, record/ranks.py): True where it froze them. The values,
+    records and lines a recording keeps until they are written survive the young generations, so Python's full
+    collection ran about once every few recordings of a forward, walking the ~300k objects torch and
+    transformers hold: ~170 ms each time (bench/bench_rank_ops.py, TP=1: 23 ms a recorded forward on average);
+    frozen, a collection walks what the block made. Cyclic garbage of older objects waits for the block's end.
+    (gc.get_freeze_count walks the frozen objects: cheap where none are, as here at the start of a block; a
+    process that froze ~400k objects itself pays ~20-40 ms a block for the question.)"""
+    if gc.get_freeze_count() or not gc.isenabled():
+        return False
+    gc.freeze()
+    return True
 
 
 class Recorder:
@@ -71,6 +89,7 @@ class Recorder:
             else:
                 ignored = check_outside(layouts or {}, mesh)
         self._session = None
+        self._froze_gc = False
         self.model, self.path, self.mode, self.ops, self.label = model, path, mode, ops, label
         include_re, exclude_re = compile_filters(include, exclude)
         self._include_src, self._exclude_src = include, exclude
@@ -139,6 +158,7 @@ class Recorder:
             self.op_records.push_mode()
         self._session.start()
         self._signals.install(self.writer)
+        self._froze_gc = self.rank is None and freeze_gc()  # (a rank froze them in attach_rank already)
         return self
 
     def routed(self, rows, *, tokens, slots, n_tokens: int, top_k: int, experts=None) -> None:
@@ -220,6 +240,9 @@ class Recorder:
                                   **extra, **compiled_meta)
             finally:
                 self._signals.restore()
+                if self._froze_gc:
+                    self._froze_gc = False
+                    gc.unfreeze()
             if held is not None and exc_type is None:
                 raise held
         why = self._session.compile_failure(exc) if self._session is not None and exc is not None else None

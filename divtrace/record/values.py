@@ -76,6 +76,24 @@ def op_tensors(obj, out: list, depth: int = 0) -> list:
     return out
 
 
+def op_inputs(args, kwargs: dict) -> list:
+    """op_tensors((args, kwargs), []) without building the pair and walking the dict through a list: an op's input
+    tensors, in the same order (and to the same nesting depth)."""
+    out: list = []
+    for x in args:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple, dict)):
+            op_tensors(x, out, 2)
+    if kwargs:
+        for x in kwargs.values():
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif isinstance(x, (list, tuple, dict)):
+                op_tensors(x, out, 3)
+    return out
+
+
 def _arg_vids(enc_args, enc_kwargs) -> list[int]:
     return [a["$v"] for a in (*enc_args, *enc_kwargs.values()) if type(a) is dict and "$v" in a]
 

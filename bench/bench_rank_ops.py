@@ -1,0 +1,256 @@
+"""Per-forward CPU milliseconds of `record(mode="hash", ops=True)` on a rank of a TP=2 run and on TP=1, against
+the plain forward of the same process: bench_sharded.py's model and setup (HF Llama h512 L8 seq256 fp32, HF's TP
+plan on 2 gloo ranks, one thread each), only the two configurations, alternated forward by forward, timed by the
+process's CPU time (what a shared machine moves least). With --profile, rank 0 (and TP=1) also run cProfile over
+a few recorded forwards and print where the recording's time goes.
+
+    python bench/bench_rank_ops.py [--rounds 12] [--profile 3] [--small] [--no-tp1]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+
+
+def _ablate(what: str) -> None:
+    """Diagnostics only (what is recorded changes): leave parts of a rank's recording out, to see what they cost.
+    "layouts": the values' layouts (record/placements.py hooks as no-ops); "tokens" is record(tokens=False)."""
+    if "layouts" in what.split(","):
+        from divtrace.record.placements import Placements
+
+        for name in ("op_inputs", "op_outputs", "bind_outputs", "before_value", "after_value"):
+            setattr(Placements, name, lambda self, *a, **k: None)
+        Placements.shard_rows = lambda self, t, code: None
+
+
+_SPLIT: dict = {}
+
+
+def _split() -> None:
+    """Diagnostics: thread CPU ms inside some recorder parts (inclusive; outermost call only), per recorded forward."""
+    import functools
+
+    from divtrace.record import collectives
+    from divtrace.record.collectives import Collectives
+    from divtrace.record.module_calls import ModuleCalls
+    from divtrace.record.op_records import OpRecorder
+    from divtrace.record.placements import Placements
+    from divtrace.record.token_rows import TokenRows
+    from divtrace.record.values import ValueIdentity
+    from divtrace.trace.writer import TraceWriter
+
+    depth = {}
+
+    def wrap(cls, name, label):
+        f = getattr(cls, name)
+
+        @functools.wraps(f)
+        def g(*a, **k):
+            if depth.get(label):
+                return f(*a, **k)
+            depth[label] = 1
+            t0 = time.thread_time()
+            try:
+                return f(*a, **k)
+            finally:
+                _SPLIT[label] = _SPLIT.get(label, 0.0) + time.thread_time() - t0
+                depth[label] = 0
+        setattr(cls, name, g)
+
+    from divtrace.record import token_rows, values
+    from divtrace.record.token_store import TokenStoreWriter
+
+    from divtrace.trace import writer as writer_mod
+    from divtrace.trace.layouts import LayoutWriter
+    from divtrace.trace.side_files import ChecksummedFiles
+
+    for cls, name, label in ((LayoutWriter, "_write", "close: layout lines"),
+                             (writer_mod, "_record_line", "close: record lines"),
+                             (ChecksummedFiles, "write", "close: side files write"),
+                             (TokenStoreWriter, "hand_over", "close: token store hand_over"),
+                             (TraceWriter, "_write_meta", "close: meta.json"),
+                             (TraceWriter, "_write_records", "close: records write"),
+                             (token_rows, "strided_row_fingerprints", "token rows: kernel"),
+                             (TokenStoreWriter, "add_rows", "token rows: store"),
+                             (ValueIdentity, "_derived_view", "derived views"), (values, "copy_value", "copy_value"),
+                             (TraceWriter, "close", "writer.close"), (TraceWriter, "new_value", "new_value (hash)"),
+                             (TokenRows, "rows", "token rows"), (ValueIdentity, "produced", "produced"),
+                             (ValueIdentity, "vid_of", "vid_of"), (Placements, "op_outputs", "pl.op_outputs"),
+                             (Placements, "bind_outputs", "pl.bind_outputs"), (Placements, "op_inputs", "pl.op_inputs"),
+                             (Placements, "after_value", "pl.after_value"), (Placements, "shard_rows", "pl.shard_rows"),
+                             (ModuleCalls, "enter", "calls.enter"), (ModuleCalls, "exit", "calls.exit"),
+                             (Collectives, "outputs", "collectives.outputs"), (collectives, "settle", "settle"),
+                             (OpRecorder, "on_op", "on_op (the ops too)"), (OpRecorder, "_encode", "encode args")):
+        wrap(cls, name, label)
+
+
+def _measure(model, ids, rounds: int, profile: int, ablate: str = "") -> dict:
+    import torch
+
+    import divtrace
+
+    _ablate(ablate)
+    tokens = "tokens" not in ablate.split(",")
+
+    tmp = Path(tempfile.mkdtemp(prefix="divtrace-rank-ops-"))
+
+    def plain():
+        with torch.no_grad():
+            model(ids, use_cache=False)
+
+    def rec():
+        shutil.rmtree(tmp / "t", ignore_errors=True)
+        with torch.no_grad(), divtrace.record(model, tmp / "t", mode="hash", ops=True, tokens=tokens):
+            model(ids, use_cache=False)
+
+    import gc
+
+    gc_s = [0.0, 0.0]  # (start, total) thread CPU seconds inside garbage collections
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_s[0] = time.thread_time()
+        else:
+            gc_s[1] += time.thread_time() - gc_s[0]
+
+    gc.callbacks.append(on_gc)
+    def empty():  # the block's own fixed cost: entered and left with no forward inside
+        shutil.rmtree(tmp / "e", ignore_errors=True)
+        with torch.no_grad(), divtrace.record(model, tmp / "e", mode="hash", ops=True):
+            pass
+
+    try:
+        plain(), rec(), plain(), rec()  # warm-up
+        empty()
+        e_cpu = []
+        for _ in range(5):
+            c0 = time.process_time()
+            empty()
+            e_cpu.append(time.process_time() - c0)
+        cpu: dict = {"plain": [], "hash_ops": []}
+        gcs: dict = {"plain": [], "hash_ops": []}
+        thread: dict = {"plain": [], "hash_ops": []}  # this thread's CPU only (gloo's threads, which poll while
+        # waiting for the other rank, left out)
+        for r in range(rounds):
+            order = (("plain", plain), ("hash_ops", rec)) if r % 2 == 0 else (("hash_ops", rec), ("plain", plain))
+            for name, fn in order:
+                c0, g0, t0 = time.process_time(), gc_s[1], time.thread_time()
+                fn()
+                cpu[name].append(time.process_time() - c0)
+                thread[name].append(time.thread_time() - t0)
+                gcs[name].append(gc_s[1] - g0)
+        out = {k: {"median_ms": round(1e3 * statistics.median(v), 1), "min_ms": round(1e3 * min(v), 1),
+                   "max_ms": round(1e3 * max(v), 1)} for k, v in cpu.items()}
+        extra = [1e3 * (h - p) for h, p in zip(cpu["hash_ops"], cpu["plain"])]
+        out["extra_ms"] = {"median": round(statistics.median(extra), 1), "min": round(min(extra), 1),
+                           "max": round(max(extra), 1)}
+        out["empty_block_ms"] = round(1e3 * statistics.median(e_cpu), 1)
+        out["gc_ms"] = {k: {"median": round(1e3 * statistics.median(v), 1), "max": round(1e3 * max(v), 1),
+                            "mean": round(1e3 * statistics.mean(v), 1)} for k, v in gcs.items()}
+        out["extra_ms"]["mean"] = round(statistics.mean(extra), 1)
+        t_extra = [1e3 * (h - p) for h, p in zip(thread["hash_ops"], thread["plain"])]
+        out["thread"] = {"plain_ms": round(1e3 * statistics.median(thread["plain"]), 1),
+                         "extra_ms": {"median": round(statistics.median(t_extra), 1), "min": round(min(t_extra), 1),
+                                      "max": round(max(t_extra), 1)},
+                         "ratio": round(statistics.median(h / p for h, p in zip(thread["hash_ops"], thread["plain"])), 3)}
+        out["cpu_ratio"] = round(statistics.median(h / p for h, p in zip(cpu["hash_ops"], cpu["plain"])), 3)
+        if profile == 1:  # (--profile 1: the split, over 6 recorded forwards)
+            _split()
+            t0 = time.thread_time()
+            for _ in range(6):
+                rec()
+            out["split_ms"] = {k: round(1e3 * v / 6, 1) for k, v in sorted(_SPLIT.items(), key=lambda kv: -kv[1])}
+            out["split_ms"]["whole recorded forward"] = round(1e3 * (time.thread_time() - t0) / 6, 1)
+            t0 = time.thread_time()
+            for _ in range(6):
+                plain()
+            out["split_ms"]["plain forward"] = round(1e3 * (time.thread_time() - t0) / 6, 1)
+        elif profile < 0:  # (for a sampling profiler attached from outside: -N recorded forwards, nothing timed)
+            for _ in range(-profile):
+                rec()
+        elif profile:
+            pr = cProfile.Profile(time.thread_time)  # (CPU time of this thread: waits at collectives left out)
+            pr.enable()
+            for _ in range(profile):
+                rec()
+            pr.disable()
+            s = io.StringIO()
+            st = pstats.Stats(pr, stream=s)
+            st.sort_stats("tottime").print_stats(35)
+            st.sort_stats("cumulative").print_stats(45)
+            out["profile"] = s.getvalue()
+        return out
+    finally:
+        gc.callbacks.remove(on_gc)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def rank_main(rank, world, model_dir, rounds, profile, ablate=""):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from bench_record import build
+
+    torch.set_num_threads(1)
+    model = LlamaForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32).eval()
+    _, ids = build(small=model.config.num_hidden_layers == 2)
+    out = _measure(model, ids, rounds, profile, ablate)  # (both ranks run the same forwards: collectives pair them)
+    if rank:
+        out.pop("profile", None)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--profile", type=int, default=0, help="recorded forwards profiled on rank 0 (and TP=1); -N: N more recorded forwards, for py-spy")
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--no-tp1", action="store_true")
+    ap.add_argument("--no-tp2", action="store_true")
+    ap.add_argument("--ablate", default="", help="diagnostics: parts left out, comma-separated: layouts, tokens")
+    args = ap.parse_args(argv)
+    import torch
+
+    from bench_record import build
+    from dist_harness import run_ranks
+
+    torch.set_num_threads(1)
+    model, ids = build(args.small)
+    res: dict = {}
+    if not args.no_tp2:
+        model_dir = tempfile.mkdtemp(prefix="divtrace-rank-ops-model-")
+        model.save_pretrained(model_dir)
+        try:
+            ranks = run_ranks(rank_main, 2, model_dir, args.rounds, args.profile, args.ablate, timeout_s=600, join_s=7200)
+        finally:
+            shutil.rmtree(model_dir, ignore_errors=True)
+        for r, x in enumerate(ranks):
+            prof = x.pop("profile", None)
+            if prof:
+                print(f"--- rank {r} profile ---\n{prof}")
+            res[f"rank{r}"] = x
+    if not args.no_tp1:
+        x = _measure(model, ids, args.rounds, args.profile, args.ablate)
+        prof = x.pop("profile", None)
+        if prof:
+            print(f"--- TP=1 profile ---\n{prof}")
+        res["tp1"] = x
+    for k, x in res.items():
+        print(k, json.dumps(x))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
