@@ -100,3 +100,64 @@ def test_cli_exit_code_and_reason(runs):
     code, out, _ = cli("bisect", root / "ep2" / "inline-hash", root / "ep1" / "hash")
     flat = " ".join(out.split())
     assert code == 3 and "ran different ops" in flat and "did not see" not in flat, out
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("name", ["router", "inline"])
+def test_past_the_parting_the_final_output_is_not_compared(runs, name):
+    """The outputs differ (hooks), but past where the ranks part nothing can be put together: `coverage` never says
+    the final outputs were compared (nor equal), and `final` holds no mismatch of a value never compared."""
+    root, ep2, ep1 = runs
+    assert not _truth(ep2, ep1, f"{name}-hash")[3]  # ground truth: the outputs differ
+    r = _bisect(root, name, "hash")
+    assert r.coverage.parted["a"] and r.coverage.final_compared is False and r.coverage.final_equal is None
+    assert "its ranks' own pieces" in r.coverage.final_note and r.final is None, r.to_dict()["coverage"]
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("name", ["router", "inline"])
+def test_bisect_prints_where_the_ranks_part(runs, name):
+    """`divtrace bisect` (rich) prints the parting on the verdict's lines (the FAILED line's `note:` when an origin
+    came first; the INCONCLUSIVE line's reason otherwise), and `--json` holds the result's coverage as is."""
+    import json
+
+    from test_trace_fixtures import cli
+
+    root, ep2, _ = runs
+    r = _bisect(root, name, "hash")
+    (part,) = r.coverage.parted["a"]
+    assert f"rank {_fewer([g[f'{name}-hash']['ran'] for g in ep2])}: aten.cat.default in moe.experts" in part
+    code, out, _ = cli("bisect", root / "ep2" / f"{name}-hash", root / "ep1" / "hash")
+    assert code == r.exit_code == (1 if name == "router" else 3), out
+    flat, lead = _flat(out), "note: " if name == "router" else "INCONCLUSIVE: "
+    assert _flat(lead + r.reason) in flat and _flat(part) in flat, out
+    assert "final mismatch" not in flat, out  # no table of a value never compared
+    code, out, _ = cli("bisect", root / "ep2" / f"{name}-hash", root / "ep1" / "hash", "--json")
+    d = json.loads(out)
+    assert code == r.exit_code and d["coverage"] == r.coverage.to_dict() and d["coverage"]["parted"] == {"a": [part]}
+    assert d["reason"] == r.reason and d["final"] is None, d["coverage"]
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("name", ["none", "router", "inline"])
+def test_show_of_the_run_directory_says_where_its_ranks_part(runs, name):
+    """`divtrace show RUN`: a warning per parting rank pair, and `parted` in --json, the sentences bisect's
+    coverage.parted holds for that side; none where the ranks ran the same ops (hooks: as many experts each)."""
+    import json
+
+    from test_trace_fixtures import cli
+
+    root, ep2, _ = runs
+    want = _bisect(root, name, "hash").coverage.parted.get("a", [])
+    ran = [g[f"{name}-hash"]["ran"] for g in ep2]
+    assert bool(want) == (len(ran[0]) != len(ran[1])), (want, ran)
+    code, out, err = cli("show", root / "ep2" / f"{name}-hash", "--json")
+    assert code == 0 and json.loads(out)["parted"] == want, out
+    code, out, err = cli("show", root / "ep2" / f"{name}-hash")
+    assert code == 0 and [x for x in _flat(err).split("warning: ") if x] == [
+        _flat(f"{p}: past that record their values cannot be put together, so bisect compares nothing there")
+        for p in want], err

@@ -37,7 +37,7 @@ def render_bisect(o: Output, r) -> None:
         o.inconclusive(f"{r.reason} [{la} vs {lb}: {seen}; {c.only_a} calls only in a, {c.only_b} only in b]")
     else:
         o.failed(f"diverged: first divergence originates in {origin_words(r.first)} [cause: {r.first.cause}]")
-        if not all(r.complete):
+        if not all(r.complete) or r.coverage.parted:  # the reason says what may be missing past the origin
             o.line(f"note: {r.reason}")
     for w in r.warnings:
         o.warn(w)

@@ -41,7 +41,8 @@ def run_summary(view) -> dict:
     return {"path": str(view.path), "run": True, "world_size": run.world_size, "complete": view.complete,
             "status": view.status, "groups": [g.ranks for g in view.groups], "ranks": ranks,
             "meshes": [{"shape": list(s), "dims": list(d), "ranks": list(r), "group": g} for s, d, r, g in sorted(
-                meshes, key=str)], "replicas_differ": list(view.findings)}
+                meshes, key=str)], "replicas_differ": list(view.findings),
+            "parted": [str(x) for x in view.meta.get("parted") or []]}
 
 
 def _show_run(o: Output, view, check: bool, json_out: bool) -> int:
@@ -63,6 +64,8 @@ def _show_run(o: Output, view, check: bool, json_out: bool) -> int:
                 [[m["shape"], m["dims"], m["ranks"], m["group"] or "-"] for m in s["meshes"]])
         for f in s["replicas_differ"]:
             o.warn(f)
+        for p in s["parted"]:  # (bisect: coverage.parted; nothing past it can be compared)
+            o.warn(f"{p}: past that record their values cannot be put together, so bisect compares nothing there")
         if checks is not None:
             bad = {r: c for r, c in checks.items() if not c["ok"]}
             if bad:

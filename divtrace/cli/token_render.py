@@ -54,7 +54,7 @@ def token_verdict_line(o: Output, r, d: dict) -> None:
         else:
             o.failed(f"{lead}; first divergence originates in {origin_words(r.first, f.get('token'))} "
                      f"[cause: {f['cause']}]")
-        if not all(r.complete):
+        if not all(r.complete) or r.coverage.parted:  # the reason says what may be missing past the origin
             o.line(f"note: {r.reason}")
 
 

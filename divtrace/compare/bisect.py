@@ -220,11 +220,11 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
     if verdict == "diverged" and first is None:
         raise DivtraceError(f"{ta.path} vs {tb.path}: tensors differ but no aligned module call differs; "
                             "cannot localize (please report this)")
-    final_compared, final_equal, final_note = final_outputs(ta, tb, pairing, walker)
+    final_compared, final_equal, final_note, final_local = final_outputs(ta, tb, pairing, walker)
     v = decide(origin_found=first is not None, within_tolerance=verdict == "within_tolerance",
                final_compared=final_compared, final_equal=final_equal, a=trace_seen(ta, "a", tb),
                b=trace_seen(tb, "b", ta), calls_compared=len(aligned), only_a=unmatched["a"], only_b=unmatched["b"],
-               final_note=final_note)
+               final_note=final_note, final_local=final_local)
     env_keys = ("torch_version", "device", "cuda_device_name")
     sets = settings_diff({**ta.meta.get("settings", {}), **{k: ta.meta.get(k) for k in env_keys}},
                          {**tb.meta.get("settings", {}), **{k: tb.meta.get(k) for k in env_keys}})

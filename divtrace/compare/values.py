@@ -106,6 +106,11 @@ class ValueComparator:
     def values_available(self) -> bool:
         return self.a.mode == "full" and self.b.mode == "full"
 
+    def uncompared(self, va: int, vb: int) -> bool:
+        """Whether the pair is left out of every comparison: a run directory's side holds no global value for it
+        (its ranks' own pieces, divtrace.align.shards.keys.RankLocal) and the other side does."""
+        return self._uncompared(va, vb)
+
     def _uncompared(self, va: int, vb: int) -> bool:
         if not self._runs:
             return False

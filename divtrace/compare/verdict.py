@@ -151,7 +151,7 @@ def _incomplete(t: TraceSeen) -> str:
 def decide(*, origin_found: bool, within_tolerance: bool, final_compared: bool, final_equal: bool | None,
            a: TraceSeen, b: TraceSeen, calls_compared: int, only_a: int = 0, only_b: int = 0,
            final_note: str | None = None, unit: str = "calls", absorbed: int = 0,
-           gaps: list | None = None) -> Verdict:
+           gaps: list | None = None, final_local: bool = False) -> Verdict:
     """The verdict of a comparison, from what it saw.
 
     origin_found: a divergence was localized (an origin, or the earliest differing call). Diverged, whatever
@@ -166,6 +166,8 @@ def decide(*, origin_found: bool, within_tolerance: bool, final_compared: bool, 
     absorbed: internal differences that reach no compared final output (then, at best, absorbed: exit 4).
     gaps: coverage gaps in words (tokens one side fed and the other did not; calls left unpaired): inconclusive,
         reason "coverage: ...", unless an origin was found.
+    final_local: the final outputs pair up but were not compared, a run directory's side holding them only as its
+        ranks' own pieces (that side's `parted` or `unseen` says why; no --map advice).
     """
     cov = Coverage(calls_compared, only_a, only_b, final_compared, final_equal if final_compared else None,
                    None if final_compared else final_note, {"a": a.complete, "b": b.complete},
@@ -204,9 +206,10 @@ def decide(*, origin_found: bool, within_tolerance: bool, final_compared: bool, 
     if gaps:
         why.append("coverage: " + "; ".join(gaps) + ": the runs did not do the same work, so they cannot be called "
                    "identical (compare runs of the same prompts, or find what one side left out)")
-    if not incomplete and not parted and not final_compared:
-        why.append(f"the final outputs were not compared ({final_note or 'no final output pair'}); make both runs "
-                   "make the same calls (or pass --map FILE where the stacks name modules differently)")
+    if not incomplete and not parted and not final_compared and not (final_local and (a.unseen or b.unseen)):
+        why.append(f"the final outputs were not compared ({final_note or 'no final output pair'})" + (
+            "" if final_local else "; make both runs make the same calls (or pass --map FILE where the stacks name "
+                                   "modules differently)"))
     elif not incomplete and final_equal is False:
         why.append("the final outputs differ but no divergence was localized (please report this)")
     if why:
