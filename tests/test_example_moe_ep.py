@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import divtrace
-from dist_harness import free_port, run_ranks
+from dist_harness import PORT_TRIES, free_port, port_taken, run_ranks
 from sharded_cases import bits_equal
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +46,17 @@ def _argv(argv: list[str]) -> list[str]:
     if argv[0] == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()), *argv[1:]]
     raise AssertionError(f"the README's MoE block may only hold python, torchrun and divtrace lines: {argv}")
+
+
+def _run(argv: list[str], cwd, env) -> subprocess.CompletedProcess:
+    """Run a README command. A torchrun whose rendezvous port another process took between free_port() and its
+    store's listen (EADDRINUSE: it failed before any rank ran) is rerun on a new port, at most PORT_TRIES tries;
+    any other outcome is returned at once."""
+    for _ in range(PORT_TRIES):
+        p = subprocess.run(_argv(argv), cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        if argv[0] != "torchrun" or p.returncode == 0 or not port_taken(p.stdout + p.stderr):
+            break
+    return p
 
 
 def _model(world: int, rank: int, plant):
@@ -97,7 +108,7 @@ def runs(tmp_path_factory):
     cmds = readme_commands()
     assert [a[0] for a, _ in cmds] == ["python", "torchrun", "divtrace", "torchrun", "divtrace"], cmds
     for argv, want in cmds:
-        p = subprocess.run(_argv(argv), cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        p = _run(argv, cwd, env)
         assert p.returncode == want, f"`{' '.join(argv)}` exited {p.returncode}, the README says {want}\n" \
                                      f"{(p.stdout + p.stderr)[-3000:]}"
     truth = {plant: _merge(run_ranks(truth_worker, 2, plant)) for plant in (None, "weight")}
