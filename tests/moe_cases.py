@@ -19,7 +19,9 @@ same on every rank, so it is taken for a replica, and its shape differs from the
 """
 from __future__ import annotations
 
+import functools
 import os
+import types
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 16, 24, 4, 3, 12
 LAYOUTS = {r"moe\.experts": {"input": "T@ep", "output": "T@ep"},
@@ -73,38 +75,6 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool
             w = top * (1.0 / top.sum(-1, keepdim=True)) if router == "fp32-renorm" else top / top.sum(-1, keepdim=True)
             return logits, w, idx
 
-    class Experts(nn.Module):
-        """This rank's experts: rows grouped by expert, `counts` rows each."""
-
-        def __init__(self):
-            super().__init__()
-            self.gate_up_proj = nn.Parameter(gate_up[first:first + n_local].clone())
-            self.down_proj = nn.Parameter(down[first:first + n_local].clone())
-
-        def forward(self, rows, counts):
-            outs, start = [], 0
-            chunks = rows.split(counts) if split else None
-            for e in range(n_local):
-                x = chunks[e] if split else rows[start:start + counts[e]]
-                start += counts[e]
-                gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-                silu, manual = F.silu(gate), gate * torch.sigmoid(gate)  # (both, on every rank: the same ops)
-                act = manual if plant == "kernel" and first + e == E - 1 else silu
-                outs.append(F.linear(act * up, self.down_proj[e]))
-            return torch.cat(outs)
-
-    class Combine(nn.Module):
-        """Each token's slots, weighted and summed: in routing (slot) order, or (the plant) in rank order."""
-
-        def forward(self, back, weights, pos, ids):
-            if plant == "combine":
-                perm = torch.argsort(ids, dim=1, stable=True)  # the slots by expert: the order of their ranks
-                pos, weights = pos.gather(1, perm), weights.gather(1, perm)
-            y = weights[:, 0:1] * back[pos[:, 0]]
-            for j in range(1, pos.shape[1]):
-                y = y + weights[:, j:j + 1] * back[pos[:, j]]
-            return y
-
     class MoE(nn.Module):
         def __init__(self):
             super().__init__()
@@ -113,8 +83,9 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool
                 self.gate.weight.data.copy_(gate_w)
             else:
                 self.router = Gate()
-            self.experts = Experts()
-            self.combine = Combine()
+            self.experts = parts().Experts(gate_up[first:first + n_local], down[first:first + n_local], split=split,
+                                           manual=E - 1 - first if plant == "kernel" else None)
+            self.combine = parts().Combine(rank_order=plant == "combine")
             self.n_experts = E
 
         def forward(self, x):
@@ -141,6 +112,63 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None, declare: bool
             return x + self.moe(x)
 
     return Net().eval()
+
+
+@functools.cache
+def parts():
+    """The experts and combine modules of build() and tests/moe_part_cases.py (classes made on first use: torch is
+    imported here), as `parts().Experts`, `parts().Combine`."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Experts(nn.Module):
+        """This rank's experts (`gate_up`, `down`: their weights): rows grouped by expert, `counts` rows each, taken by
+        slices or (`split`) by `rows.split(counts)`. `manual`: the local expert whose SiLU is x * sigmoid(x) (the
+        kernel plant); unless `silu_only`, every expert computes both forms, so every rank runs the same ops.
+        `only_hit`: an expert with no rows runs nothing (HF Mixtral's loop over `expert_hit`)."""
+
+        def __init__(self, gate_up, down, *, split=False, manual=None, silu_only=False, only_hit=False):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(gate_up.clone())
+            self.down_proj = nn.Parameter(down.clone())
+            self.split, self.manual, self.silu_only, self.only_hit = split, manual, silu_only, only_hit
+
+        def forward(self, rows, counts):
+            outs, start = [], 0
+            chunks = rows.split(counts) if self.split else None
+            for e in range(len(counts)):
+                if self.only_hit and counts[e] == 0:
+                    continue
+                x = chunks[e] if self.split else rows[start:start + counts[e]]
+                start += counts[e]
+                gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+                if self.silu_only:
+                    act = F.silu(gate)
+                else:
+                    silu, manual = F.silu(gate), gate * torch.sigmoid(gate)  # (both, on every rank: the same ops)
+                    act = manual if e == self.manual else silu
+                outs.append(F.linear(act * up, self.down_proj[e]))
+            return torch.cat(outs)
+
+    class Combine(nn.Module):
+        """Each token's slots, weighted and summed: in routing (slot) order, or (`rank_order`, the plant) in the
+        order of the ranks (experts) that computed them."""
+
+        def __init__(self, rank_order: bool = False):
+            super().__init__()
+            self.rank_order = rank_order
+
+        def forward(self, back, weights, pos, ids):
+            if self.rank_order:
+                perm = torch.argsort(ids, dim=1, stable=True)  # the slots by expert: the order of their ranks
+                pos, weights = pos.gather(1, perm), weights.gather(1, perm)
+            y = weights[:, 0:1] * back[pos[:, 0]]
+            for j in range(1, pos.shape[1]):
+                y = y + weights[:, j:j + 1] * back[pos[:, j]]
+            return y
+
+    return types.SimpleNamespace(Experts=Experts, Combine=Combine)
 
 
 def routed_forward(moe, x, xs, ids_l, w_l, *, lo: int, world: int, first: int, declare: bool = True):

@@ -17,7 +17,7 @@ unplanted routing hits as many on each). Plants (the EP side's code; the other s
 """
 from __future__ import annotations
 
-from moe_cases import record_cases, routed_forward
+from moe_cases import parts, record_cases, routed_forward
 
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 16, 24, 8, 2, 4
 LAYOUTS = {r"moe\.experts": {"input": "T@ep", "output": "T@ep"},
@@ -101,38 +101,13 @@ def build(world: int = 1, rank: int = 0, plant: str | None = None):
             top, idx = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
             return logits, top / top.sum(-1, keepdim=True), idx
 
-    class Experts(nn.Module):
-        """This rank's experts that got rows (HF Mixtral's loop over `expert_hit`): `counts` rows each."""
-
-        def __init__(self):
-            super().__init__()
-            self.gate_up_proj = nn.Parameter(gate_up[first:first + n_local].clone())
-            self.down_proj = nn.Parameter(down[first:first + n_local].clone())
-
-        def forward(self, rows, counts):
-            outs, start = [], 0
-            for e in range(n_local):
-                if counts[e] == 0:  # an expert with no rows runs nothing
-                    continue
-                x = rows[start:start + counts[e]]
-                start += counts[e]
-                gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-            return torch.cat(outs)
-
-    class Combine(nn.Module):
-        def forward(self, back, weights, pos, ids):
-            y = weights[:, 0:1] * back[pos[:, 0]]
-            for j in range(1, pos.shape[1]):
-                y = y + weights[:, j:j + 1] * back[pos[:, j]]
-            return y
-
     class MoE(nn.Module):
         def __init__(self):
             super().__init__()
             self.router = Gate()
-            self.experts = Experts()
-            self.combine = Combine()
+            self.experts = parts().Experts(gate_up[first:first + n_local], down[first:first + n_local],
+                                           silu_only=True, only_hit=True)
+            self.combine = parts().Combine()
             mask = torch.zeros(per, k, dtype=torch.bool)
             if lo <= tok < lo + per:
                 mask[tok - lo, k - 1] = True

@@ -54,7 +54,8 @@ def final_outputs(ta: Trace, tb: Trace, pairing: Pairing,
         tops = [c for c in t.calls.values() if c.parent is None]
         c = max(tops, key=lambda c: c.enter_index)
         if c.exit_index is None:
-            return False, None, f"the last root call of {side} ({c.module or '<root>'} call {c.call}) never returned", False
+            return False, None, (f"the last root call of {side} ({c.module or '<root>'} call {c.call}) never "
+                                 "returned"), False
         last[side] = (c, len(tops))
     (ca, na), (cb, nb) = last["a"], last["b"]
     partner = pairing.partner(ca)
