@@ -7,6 +7,9 @@ produced them, or at a value that came from outside (a parameter, a model input)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_str
+
+from divtrace.trace.files import compact_encoder
 
 FORMAT_VERSION = 2  # 2: full-mode values may be derived views ("r") with no bytes of their own
 
@@ -198,3 +201,92 @@ def record_compact(rec, values: list[TensorValue]) -> dict:
     if values:
         d["V"] = [_value_compact(v) for v in values]
     return d
+
+
+# -- a record's line (records.jsonl), written as text ---------------------------------------------------------
+# encode_line(record_compact(rec, values)) byte for byte, with each value's part written straight as text (a dict
+# built per value and walked by the C encoder cost ~3.5 us a value; this ~2 us). The record's own fields still go
+# through the C encoder (their args are free-form); a value whose fields are not the plain kinds this writes
+# (stats other than the six numbers, a non-finite or non-float min/max/mean, ...) takes the dict path.
+_ENC = compact_encoder()
+_STATS_KEYS = frozenset(("min", "max", "mean", "absmax", "nan", "inf"))
+_LIST_TEXT: dict[tuple, str] = {}  # shape or stride (tuple of ints) -> its JSON text
+_DTYPE_TEXT: dict[str, str] = {}  # "torch.float32" -> '"float32"'
+
+
+def _encode(d) -> str:
+    try:
+        return _ENC(d)
+    except ValueError:  # a non-finite float (json_safe maps part by part, so this equals encoding the whole)
+        return _ENC(json_safe(d))
+
+
+def _ints_text(xs: list[int]) -> str:
+    key = tuple(xs)
+    text = _LIST_TEXT.get(key)
+    if text is None:
+        text = _ENC(xs)
+        if len(_LIST_TEXT) < 65536:
+            _LIST_TEXT[key] = text
+    return text
+
+
+def _num_text(x, spec: str) -> str | None:
+    """A stat rounded as _short_stats rounds it, as the encoder writes it; None where the dict path must decide."""
+    if type(x) is float:
+        if x - x:  # inf or nan (inf - inf is nan): the encoder refuses those
+            return None
+        s = spec % x
+        if "e" in s:
+            x = float(s)
+            return None if x - x else repr(x)
+        # Without an exponent, repr(float(s)) is s itself (".0" added to a whole number): s's digits (at most 9, no
+        # trailing zero) are the only ones of their length or shorter that read back as float(s), and both write
+        # fixed notation for a decimal exponent from -4 up to 8.
+        return s if "." in s else s + ".0"
+    return str(x) if type(x) is int else None
+
+
+def _value_text(v: TensorValue) -> str | None:
+    """_ENC(_value_compact(v)), or None for the values it does not write (the caller takes the dict path)."""
+    dt = _DTYPE_TEXT.get(v.dtype)
+    if dt is None:
+        dt = _DTYPE_TEXT[v.dtype] = _ENC(v.dtype.removeprefix("torch."))
+    if type(v.hash) is not str:
+        return None
+    text = f'{{"v":{v.vid},"d":{dt},"s":{_ints_text(v.shape)},"h":{_json_str(v.hash)}'
+    if v.producer is not None:
+        text += f',"p":{v.producer}'
+    if not _is_contiguous_stride(v.shape, v.stride):
+        text += f',"t":{_ints_text(v.stride)}'
+    if v.device != "cpu":
+        if type(v.device) is not str:
+            return None
+        text += f',"dev":{_json_str(v.device)}'
+    st = v.stats
+    if st:
+        if st.keys() != _STATS_KEYS or type(st["nan"]) is not int or type(st["inf"]) is not int:
+            return None
+        lo, hi, mean = _num_text(st["min"], "%.9g"), _num_text(st["max"], "%.9g"), _num_text(st["mean"], "%.7g")
+        if lo is None or hi is None or mean is None:
+            return None
+        text += f',"m":[{lo},{hi},{mean},{st["nan"]},{st["inf"]}]'
+    if v.blob is not None:
+        if type(v.blob) is not str or type(v.shard) is not str:
+            return None
+        text += f',"b":{_json_str(v.blob)},"f":{_json_str(v.shard)}'
+    if v.derived:
+        text += ',"r":1'
+    return text + "}"
+
+
+def record_line(rec, values: list[TensorValue]) -> str:
+    """The line records.jsonl holds for one record: what encoding record_compact(rec, values) writes."""
+    head = _encode(record_compact(rec, ()))
+    if not values:
+        return head
+    texts = []
+    for v in values:
+        text = _value_text(v)
+        texts.append(text if text is not None else _encode(_value_compact(v)))
+    return f'{head[:-1]},"V":[{",".join(texts)}]}}'
