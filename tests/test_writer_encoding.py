@@ -79,6 +79,8 @@ def _random_value(rng: random.Random, vid: int) -> TensorValue:
 
     def num():
         k = rng.random()
+        if k < 0.4:  # fixed notation (a decimal exponent from -4 to 8) and the edges around it
+            return rng.uniform(-1, 1) * 10.0 ** rng.randint(-6, 10)
         if k < 0.6:
             return rng.uniform(-1, 1) * 10.0 ** rng.randint(-320, 307)
         if k < 0.75:
@@ -105,14 +107,16 @@ def _random_value(rng: random.Random, vid: int) -> TensorValue:
 
 def test_record_line_is_the_compact_dict_encoded():
     rng = random.Random(7)
-    for i in range(3000):
+    for i in range(6000):
         values = [_random_value(rng, 10 * i + j) for j in range(rng.randint(0, 3))]
         k = i % 3
+        keyed = rng.choice([[("args.0", 5), ("kwargs.mask", 6)], [], [("out.\u00e9\"", 7)], [["out", 7]],
+                            [("out", True)], [("out", 7, 8)]])
         if k == 0:
-            rec = ModuleEnter(i, 3, rng.choice(["model.layers.0", "m\u00e9\"q"]), 1, rng.choice([None, 2]),
-                              [("args.0", 5), ("kwargs.mask", 6)])
+            rec = ModuleEnter(rng.choice([i, True]), 3, rng.choice(["model.layers.0", "m\u00e9\"q"]), 1,
+                              rng.choice([None, 2]), keyed)
         elif k == 1:
-            rec = ModuleExit(i, 3, [("out", 7)], rng.choice([None, "boom"]))
+            rec = ModuleExit(i, 3, keyed, rng.choice([None, "boom\n\u00e9"]))
         else:
             rec = OpRecord(i, 3, "aten.mm.default", [{"$v": 1}, rng.choice([2, math.nan, 0.5, "x"])],
                            rng.choice([{}, {"alpha": math.inf}, {"dim": 1}]), [1], [2], {"$v": 2})
