@@ -96,9 +96,11 @@ def _random_value(rng: random.Random, vid: int) -> TensorValue:
                  "inf": 0}
     elif k < 0.9:
         stats = {"min": 1.0, "max": math.nan, "count": 4}
+    if shape and rng.random() < 0.05:  # (not from a tensor: the text path must leave them to the encoder)
+        (shape if rng.random() < 0.5 else stride)[0] = rng.choice([True, False, 2.0])
     v = TensorValue(vid, rng.choice(["torch.float32", "torch.bfloat16", "torch.int64", "float8_e4m3fn"]), shape,
                     stride, rng.choice(["0123456789abcdef" * 2, "h\u00e9\"x", "deadbeef"]),
-                    rng.choice(["cpu", "cpu", "cuda:0", "meta"]), stats, rng.choice([None, vid - 1, 0]))
+                    rng.choice(["cpu", "cpu", "cuda:0", "meta"]), stats, rng.choice([None, vid - 1, 0, True]))
     if rng.random() < 0.3:
         v.blob, v.shard = f"float32-{vid}-abc", rng.choice(["tensors-00000.safetensors", None])
     v.derived = rng.random() < 0.3

@@ -260,8 +260,11 @@ def _value_text(v: TensorValue) -> str | None:
     dt = _DTYPE_TEXT.get(v.dtype)
     if dt is None:
         dt = _DTYPE_TEXT[v.dtype] = _ENC(v.dtype.removeprefix("torch."))
-    if type(v.hash) is not str:
+    if type(v.hash) is not str or type(v.vid) is not int or (v.producer is not None and type(v.producer) is not int):
         return None
+    for n in v.shape:  # (every time: True == 1, so a list holding a bool would meet the ints' text)
+        if type(n) is not int:
+            return None
     key = tuple(v.shape)
     shape = _SHAPE_TEXT.get(key)
     if shape is None:
@@ -272,6 +275,9 @@ def _value_text(v: TensorValue) -> str | None:
     if v.producer is not None:
         text += f',"p":{v.producer}'
     if v.stride != shape[1]:
+        for n in v.stride:
+            if type(n) is not int:
+                return None
         key = tuple(v.stride)
         stride = _STRIDE_TEXT.get(key)
         if stride is None:
