@@ -14,11 +14,15 @@ from __future__ import annotations
 import torch
 
 from divtrace.errors import DivtraceError
+from divtrace.trace.hashing import rows as hashing_rows
+from divtrace.trace.hashing.base import native_eligible
 from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes, strided_row_fingerprints
 from divtrace.record.token_identity import TokenTracker
 from divtrace.record.token_store import TokenStoreWriter
 from divtrace.trace import token_layout
 
+_STRIDED = torch.strided
+_FIRST_BYTE = bytes(8)  # (int64 0: the one run of a whole row starts at its byte 0)
 FINAL = "<final>"  # the module path of rec.final's calls: no module of a model is named so
 
 
@@ -52,6 +56,7 @@ class TokenRows:
         self.positions_seen = False  # the positions the current root call's model uses were read
         self._layout_grid = None  # the grid _layouts holds the inferred layouts of: (shape, root output) -> code
         self._layouts: dict = {}
+        self._plans: dict = {}  # (code, shape, stride, dtype) -> (row count, row_layout's answer), for _layout_grid
         self.shard_rows = None  # a rank of a sharded run: rows of a value's block as partials (record/placements.py)
         # a rank with declared module outputs: whether a value made now waits for its module's exit for its rows
         # (its layout, and so its rows' partials, come with the declaration there)
@@ -96,7 +101,7 @@ class TokenRows:
         g = self.grid
         self.rowed.add(vid)
         if g is not self._layout_grid:  # the layout of a shape is the same all through one grid's call
-            self._layout_grid, self._layouts = g, {}
+            self._layout_grid, self._layouts, self._plans = g, {}, {}
         shape = t.shape
         floating = t.is_floating_point()
         code = self._layouts.get((shape, root_output, floating), False)
@@ -132,10 +137,27 @@ class TokenRows:
         if dev is not None and (dev.forced or not t.is_cpu):  # on the device, read on the writer thread
             hashes = dev.pending_rows(token_layout.rows_2d(t, code))
         else:
-            hashes = strided_row_fingerprints(t, code, token_layout.row_count(code, g.shape))
+            hashes = self._in_place(t, code, g)
             if hashes is None:
-                hashes = rows_bytes(row_fingerprints(token_layout.rows_2d(t, code)))
+                hashes = _copied_rows(token_layout.rows_2d(t, code))
         self.store.add_rows(vid, g.call_id, code, hashes)
+
+    def _in_place(self, t: torch.Tensor, code: str, g) -> bytes | None:
+        """strided_row_fingerprints(t, code, row count) (whole rows read in place by the C kernel), with its answer
+        on where the rows lie kept per (code, shape, stride, dtype) for the grid's call (layers repeat them); None
+        where the kernel cannot read them so."""
+        native = hashing_rows._native
+        if native is None or not t.is_cpu or t.layout is not _STRIDED or t.is_conj() or t.is_neg() or t.is_quantized:
+            return strided_row_fingerprints(t, code, token_layout.row_count(code, g.shape))
+        key = (code, t.shape, t.stride(), t.dtype)
+        plan = self._plans.get(key)
+        if plan is None:
+            rows = token_layout.row_count(code, g.shape)
+            plan = self._plans[key] = (rows, hashing_rows.row_layout(t, code, rows))
+        rows, got = plan
+        if got is None:
+            return None
+        return native.row_fingerprints2(t.data_ptr(), rows, got[0], got[1], _FIRST_BYTE, 0)
 
     def observe_positions(self, t: torch.Tensor) -> None:
         """The position ids the model uses in the current root call, from the first module input named
@@ -218,6 +240,17 @@ class TokenRows:
         tokens = self.store.close() if self.store is not None else None
         self.warnings.extend(w for w in self.tracker.warnings if w not in self.warnings)
         return tokens
+
+
+def _copied_rows(x: torch.Tensor) -> bytes:
+    """rows_bytes(row_fingerprints(x)) of the token rows as a 2-D tensor [rows, elements] (a copy where they were not
+    in place): a contiguous one is read by the C kernel as whole rows straight to rows.bin's bytes (no int64 tensor
+    made and read back)."""
+    native = hashing_rows._native
+    if native is not None and x.shape[0] and x.shape[1] and x.is_contiguous() and native_eligible(x):
+        step = x.shape[1] * x.element_size()
+        return native.row_fingerprints2(x.data_ptr(), x.shape[0], step, step, _FIRST_BYTE, 0)
+    return rows_bytes(row_fingerprints(x))
 
 
 def _last_cells(g) -> list[int]:

@@ -7,6 +7,9 @@ produced them, or at a value that came from outside (a parameter, a model input)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_str
+
+from divtrace.trace.files import compact_encoder
 
 FORMAT_VERSION = 2  # 2: full-mode values may be derived views ("r") with no bytes of their own
 
@@ -198,3 +201,162 @@ def record_compact(rec, values: list[TensorValue]) -> dict:
     if values:
         d["V"] = [_value_compact(v) for v in values]
     return d
+
+
+# -- a record's line (records.jsonl), written as text ---------------------------------------------------------
+# encode_line(record_compact(rec, values)) byte for byte, with each value's part written straight as text (a dict
+# built per value and walked by the C encoder cost ~3.5 us a value; this ~2 us). The record's own fields still go
+# through the C encoder (their args are free-form); a value whose fields are not the plain kinds this writes
+# (stats other than the six numbers, a non-finite or non-float min/max/mean, ...) takes the dict path.
+_ENC = compact_encoder()
+_STATS_KEYS = frozenset(("min", "max", "mean", "absmax", "nan", "inf"))
+_SHAPE_TEXT: dict[tuple, tuple[str, list[int]]] = {}  # shape -> (its JSON text, its contiguous stride)
+_STRIDE_TEXT: dict[tuple, str] = {}  # a stride that is not the contiguous one -> its JSON text
+_DTYPE_TEXT: dict[str, str] = {}  # "torch.float32" -> '"float32"'
+
+
+def _encode(d) -> str:
+    try:
+        return _ENC(d)
+    except ValueError:  # a non-finite float (json_safe maps part by part, so this equals encoding the whole)
+        return _ENC(json_safe(d))
+
+
+def _num_text(x, spec: str) -> str | None:
+    """A stat rounded as _short_stats rounds it, as the encoder writes it; None where the dict path must decide."""
+    if type(x) is float:
+        if x - x:  # inf or nan (inf - inf is nan): the encoder refuses those
+            return None
+        s = spec % x
+        if "e" in s:
+            x = float(s)
+            return None if x - x else repr(x)
+        # Without an exponent, repr(float(s)) is s itself (".0" added to a whole number): s's digits (at most 9, no
+        # trailing zero) are the only ones of their length or shorter that read back as float(s), and both write
+        # fixed notation for a decimal exponent from -4 up to 8.
+        return s if "." in s else s + ".0"
+    return str(x) if type(x) is int else None
+
+
+def _stats_text(st: dict) -> str | None:
+    """The "m" list's text (_short_stats as the encoder writes it), or None where the dict path must decide."""
+    if st.keys() != _STATS_KEYS or type(st["nan"]) is not int or type(st["inf"]) is not int:
+        return None
+    lo, hi, mean = st["min"], st["max"], st["mean"]
+    if type(lo) is float and type(hi) is float and type(mean) is float:
+        s = "%.9g,%.9g,%.7g" % (lo, hi, mean)
+        if "e" not in s and "n" not in s:  # all three finite, in fixed notation (see _num_text): the common case
+            lo, hi, mean = s.split(",")
+            return (f'[{lo if "." in lo else lo + ".0"},{hi if "." in hi else hi + ".0"},'
+                    f'{mean if "." in mean else mean + ".0"},{st["nan"]},{st["inf"]}]')
+    lo, hi, mean = _num_text(lo, "%.9g"), _num_text(hi, "%.9g"), _num_text(mean, "%.7g")
+    if lo is None or hi is None or mean is None:
+        return None
+    return f'[{lo},{hi},{mean},{st["nan"]},{st["inf"]}]'
+
+
+def _value_text(v: TensorValue) -> str | None:
+    """_ENC(_value_compact(v)), or None for the values it does not write (the caller takes the dict path)."""
+    dt = _DTYPE_TEXT.get(v.dtype)
+    if dt is None:
+        dt = _DTYPE_TEXT[v.dtype] = _ENC(v.dtype.removeprefix("torch."))
+    if type(v.hash) is not str or type(v.vid) is not int or (v.producer is not None and type(v.producer) is not int):
+        return None
+    for n in v.shape:  # (every time: True == 1, so a list holding a bool would meet the ints' text)
+        if type(n) is not int:
+            return None
+    key = tuple(v.shape)
+    shape = _SHAPE_TEXT.get(key)
+    if shape is None:
+        shape = (_ENC(v.shape), contiguous_stride(v.shape))
+        if len(_SHAPE_TEXT) < 65536:
+            _SHAPE_TEXT[key] = shape
+    text = f'{{"v":{v.vid},"d":{dt},"s":{shape[0]},"h":{_json_str(v.hash)}'
+    if v.producer is not None:
+        text += f',"p":{v.producer}'
+    if v.stride != shape[1]:
+        for n in v.stride:
+            if type(n) is not int:
+                return None
+        key = tuple(v.stride)
+        stride = _STRIDE_TEXT.get(key)
+        if stride is None:
+            stride = _ENC(v.stride)
+            if len(_STRIDE_TEXT) < 65536:
+                _STRIDE_TEXT[key] = stride
+        text += f',"t":{stride}'
+    if v.device != "cpu":
+        if type(v.device) is not str:
+            return None
+        text += f',"dev":{_json_str(v.device)}'
+    if v.stats:
+        st = _stats_text(v.stats)
+        if st is None:
+            return None
+        text += f',"m":{st}'
+    if v.blob is not None:
+        if type(v.blob) is not str or type(v.shard) is not str:
+            return None
+        text += f',"b":{_json_str(v.blob)},"f":{_json_str(v.shard)}'
+    if v.derived:
+        text += ',"r":1'
+    return text + "}"
+
+
+_KEY_TEXT: dict[str, str] = {}  # a module input's or output's key -> '["key",'
+_MODULE_TEXT: dict[str, str] = {}  # a module path -> its JSON text
+
+
+def _keyed_text(pairs) -> str | None:
+    """The JSON text of a module record's [(key, vid), ...], or None for anything else."""
+    parts = []
+    for pair in pairs:
+        if type(pair) is not tuple or len(pair) != 2 or type(pair[0]) is not str or type(pair[1]) is not int:
+            return None
+        key = _KEY_TEXT.get(pair[0])
+        if key is None:
+            key = _KEY_TEXT[pair[0]] = f"[{_json_str(pair[0])},"
+        parts.append(f"{key}{pair[1]}]")
+    return f'[{",".join(parts)}]'
+
+
+def _head_text(rec) -> str | None:
+    """The JSON text of a module record without its values (record_compact's dict, encoded), or None (an op record,
+    or fields of other kinds: the dict path)."""
+    kind = type(rec)
+    if kind is ModuleEnter:
+        if type(rec.index) is not int or type(rec.call_id) is not int or type(rec.call) is not int or (
+                type(rec.module) is not str) or (rec.parent is not None and type(rec.parent) is not int):
+            return None
+        inputs = _keyed_text(rec.inputs)
+        if inputs is None:
+            return None
+        module = _MODULE_TEXT.get(rec.module)
+        if module is None:
+            module = _MODULE_TEXT[rec.module] = _json_str(rec.module)
+        parent = "" if rec.parent is None else f',"p":{rec.parent}'
+        return f'{{"k":"e","i":{rec.index},"c":{rec.call_id},"m":{module},"n":{rec.call},"in":{inputs}{parent}}}'
+    if kind is ModuleExit:
+        if type(rec.index) is not int or type(rec.call_id) is not int or (
+                rec.error is not None and type(rec.error) is not str):
+            return None
+        outputs = _keyed_text(rec.outputs)
+        if outputs is None:
+            return None
+        error = "" if rec.error is None else f',"err":{_json_str(rec.error)}'
+        return f'{{"k":"x","i":{rec.index},"c":{rec.call_id},"out":{outputs}{error}}}'
+    return None
+
+
+def record_line(rec, values: list[TensorValue]) -> str:
+    """The line records.jsonl holds for one record: what encoding record_compact(rec, values) writes."""
+    head = _head_text(rec)
+    if head is None:
+        head = _encode(record_compact(rec, ()))
+    if not values:
+        return head
+    texts = []
+    for v in values:
+        text = _value_text(v)
+        texts.append(text if text is not None else _encode(_value_compact(v)))
+    return f'{head[:-1]},"V":[{",".join(texts)}]}}'

@@ -36,8 +36,8 @@ from divtrace.trace.fingerprint import dtype_name, flat_bytes
 # lane32-wsum128 is still read (divtrace.trace.fingerprint.hasher).
 from divtrace.trace.hashing import TENSOR_SCHEME as HASH_SCHEME
 from divtrace.trace.hashing.tensor import IMPLEMENTATION, hash_with_stats as fingerprint
-from divtrace.trace.records import FORMAT_VERSION, TensorValue, json_safe, record_compact
-from divtrace.trace.device_writer import DeviceWriterHooks, encode_line
+from divtrace.trace.records import FORMAT_VERSION, TensorValue, json_safe, record_line
+from divtrace.trace.device_writer import DeviceWriterHooks
 from divtrace.trace.shards import ShardStore
 from divtrace.trace.side_files import ChecksummedFiles
 
@@ -45,8 +45,9 @@ from divtrace.trace.side_files import ChecksummedFiles
 
 def _record_line(rec, values: list[TensorValue]) -> str:
     # Records and values are flat dataclasses of JSON-ready fields (stats were made safe when taken), so
-    # record_compact reads their fields directly: dataclasses.asdict deep-copies and was a third of the cost.
-    return encode_line(record_compact(rec, values))
+    # record_line reads their fields directly (dataclasses.asdict deep-copies and was a third of the cost) and
+    # writes each value's part as text (records.record_line).
+    return record_line(rec, values)
 
 
 class TraceWriter(DeviceWriterHooks):
