@@ -99,15 +99,27 @@ def _split() -> None:
 _BY_OP: dict = {}  # op name -> [calls, on_op thread CPU s (inclusive), of which the op's own call]
 
 
-def _by_op() -> None:
+def _by_op(model) -> None:
     """Diagnostics: OpRecorder.on_op's thread CPU time per aten op, with the op's own call (the kernel: the
-    OpOverload call made by on_op itself) timed apart, so on_op's exclusive cost per op kind is the difference."""
+    OpOverload call made by on_op itself) timed apart, so on_op's exclusive cost per op kind is the difference.
+    An op whose first argument is over a parameter's storage (a weight's local block) is counted as "op (weight)"."""
+    import torch
     from torch._ops import OpOverload
 
     from divtrace.record.op_records import OpRecorder, _op_name
 
     on_op, call = OpRecorder.on_op, OpOverload.__call__
     cur = [None, 0.0]  # the op on_op runs now (outermost), kernel seconds inside it
+    weights = set()
+    for p in model.parameters():
+        p = getattr(p, "_local_tensor", p)
+        weights.add(p.untyped_storage().data_ptr())
+
+    def kind(func, args):
+        a = args[0] if args else None
+        if type(a) in (torch.Tensor, torch.nn.Parameter) and a.untyped_storage().data_ptr() in weights:
+            return _op_name(func) + " (weight)"
+        return _op_name(func)
 
     def timed_call(self, /, *args, **kwargs):
         if self is not cur[0]:
@@ -128,7 +140,7 @@ def _by_op() -> None:
             return on_op(self, func, args, kwargs)
         finally:
             dt = time.thread_time() - t0
-            e = _BY_OP.setdefault(_op_name(func), [0, 0.0, 0.0])
+            e = _BY_OP.setdefault(kind(func, args), [0, 0.0, 0.0])
             e[0] += 1
             e[1] += dt
             e[2] += cur[1]
@@ -209,7 +221,7 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: boo
                          "ratio": round(statistics.median(h / p for h, p in zip(thread["hash_ops"], thread["plain"])), 3)}
         out["cpu_ratio"] = round(statistics.median(h / p for h, p in zip(cpu["hash_ops"], cpu["plain"])), 3)
         if by_op:  # (--by-op: on_op per aten op, over 6 recorded forwards)
-            _by_op()
+            _by_op(model)
             for _ in range(6):
                 rec()
             rows = sorted(((k, n / 6, 1e3 * (a - b) / 6, 1e3 * b / 6) for k, (n, a, b) in _BY_OP.items()),
