@@ -152,7 +152,7 @@ class OpRecorder:
         if not plain:
             return out
         with _BUSY:
-            outs = op_tensors(got, [])
+            outs = [got] if isinstance(got, torch.Tensor) else op_tensors(got, [])
             writes = None
             if got is None:  # returns nothing, writes its result into arguments (vLLM's _C.onednn_mm): those
                 outs, writes = [], []  # are its outputs, and `out` says which arguments hold them
@@ -174,8 +174,12 @@ class OpRecorder:
                         for p in plain_out]
             if pl is not None:
                 pl.bind_outputs(plain_out, out_vids)
-            vid_by_id = {id(t): v for t, v in zip(outs, out_vids)}
-            enc_out = self._encode_out(got, vid_by_id) if writes is None else {"$writes": writes}
+            if writes is not None:
+                enc_out = {"$writes": writes}
+            elif got is outs[0] and len(outs) == 1:  # (most ops: one tensor)
+                enc_out = {"$v": out_vids[0]}
+            else:
+                enc_out = self._encode_out(got, {id(t): v for t, v in zip(outs, out_vids)})
             rec = OpRecord(index, owner, name, enc_args, enc_kwargs, vids, out_vids, enc_out)
             self.writer.append(rec, values)
             if name == "aten.topk.default":
