@@ -23,6 +23,8 @@ from divtrace.record.lifecycle import owners as _owners
 from divtrace.record.values import op_inputs, op_tensors
 from divtrace.trace.records import OpRecord
 
+_PLAIN_TYPES, _STRIDED = frozenset((torch.Tensor, torch.nn.Parameter)), torch.strided  # (dispatched as they are)
+_AS_IS = frozenset((int, bool, str, type(None)))  # argument types _encode returns as they are
 _NO_LOCALS: dict = {}  # (never written: an op whose tensors are all plain maps none to another)
 _MUTATED: dict = {}  # op overload -> [(position, name)] of the arguments it writes to
 
@@ -121,22 +123,28 @@ class OpRecorder:
                 self._values.bumped = {id(y) for pos, key in mutated
                                        for y in op_tensors(args[pos] if pos < len(args) else kwargs.get(key), [])}
             tensors_in = op_inputs(args, kwargs)
-            plain_in = [self._plain(t, func) for t in tensors_in]
+            plain_in = []
             plain = True
             local = _NO_LOCALS  # id(tensor) -> its plain tensor, where that is another (a DTensor's local one)
-            for t, p in zip(tensors_in, plain_in):
+            for t in tensors_in:
+                if type(t) in _PLAIN_TYPES and t.layout is _STRIDED and not (t.is_quantized or t.is_nested or t.is_meta):
+                    plain_in.append(t)  # (values.plain's common case, inline: every input of every op)
+                    continue
+                p = self._plain(t, func)  # (each one asked: a tensor it cannot record is a warning)
+                plain_in.append(p)
                 if p is not t:
                     if p is None:
                         plain = False
-                        break
-                    if local is _NO_LOCALS:
-                        local = {}
-                    local[id(t)] = p
+                    elif local is _NO_LOCALS:
+                        local = {id(t): p}
+                    else:
+                        local[id(t)] = p
             if plain:
                 values: list = []
                 vids: list[int] = []
-                enc_args = [self._encode(a, values, vids, local) for a in args]
-                enc_kwargs = {k: self._encode(v, values, vids, local) for k, v in kwargs.items()}
+                encode = self._encode
+                enc_args = [a if type(a) in _AS_IS else encode(a, values, vids, local) for a in args]
+                enc_kwargs = {k: encode(v, values, vids, local) for k, v in kwargs.items()} if kwargs else {}
                 if self.placements is not None:
                     self.placements.op_inputs(tensors_in, plain_in, vids)
         self._values.bumped = None
