@@ -169,8 +169,17 @@ class OpRecorder:
                     got = op_tensors(args[pos] if pos < len(args) else kwargs.get(arg), [])
                     outs += got
                     writes += [where] if len(got) == 1 else [[where, k] for k in range(len(got))]
-            plain_out = [self._plain(t, func) for t in outs]
-            if not outs or any(p is None for p in plain_out):
+            if not outs:
+                return out
+            plain_out = []
+            for t in outs:
+                if not (type(t) in _PLAIN_TYPES and t.layout is _STRIDED
+                        and not (t.is_quantized or t.is_nested or t.is_meta)):
+                    t = self._plain(t, func)
+                    if t is None:
+                        plain = False
+                plain_out.append(t)
+            if not plain:
                 return out
             index = self._take_index()
             pl = self.placements
