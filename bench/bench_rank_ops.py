@@ -4,7 +4,7 @@ plan on 2 gloo ranks, one thread each), only the two configurations, alternated 
 process's CPU time (what a shared machine moves least). With --profile, rank 0 (and TP=1) also run cProfile over
 a few recorded forwards and print where the recording's time goes.
 
-    python bench/bench_rank_ops.py [--rounds 12] [--profile 3] [--small] [--no-tp1]
+    python bench/bench_rank_ops.py [--rounds 12] [--profile 3] [--by-op] [--small] [--no-tp1]
 """
 from __future__ import annotations
 
@@ -96,7 +96,61 @@ def _split() -> None:
         wrap(cls, name, label)
 
 
-def _measure(model, ids, rounds: int, profile: int, ablate: str = "") -> dict:
+_BY_OP: dict = {}  # op name -> [calls, on_op thread CPU s (inclusive), of which the op's own call]
+
+
+def _by_op(model) -> None:
+    """Diagnostics: OpRecorder.on_op's thread CPU time per aten op, with the op's own call (the kernel: the
+    OpOverload call made by on_op itself) timed apart, so on_op's exclusive cost per op kind is the difference.
+    An op whose first argument is over a parameter's storage (a weight's local block) is counted as "op (weight)"."""
+    import torch
+    from torch._ops import OpOverload
+
+    from divtrace.record.op_records import OpRecorder, _op_name
+
+    on_op, call = OpRecorder.on_op, OpOverload.__call__
+    cur = [None, 0.0]  # the op on_op runs now (outermost), kernel seconds inside it
+    weights = set()
+    for p in model.parameters():
+        p = getattr(p, "_local_tensor", p)
+        weights.add(p.untyped_storage().data_ptr())
+
+    def kind(func, args):
+        a = args[0] if args else None
+        if type(a) in (torch.Tensor, torch.nn.Parameter) and a.untyped_storage().data_ptr() in weights:
+            return _op_name(func) + " (weight)"
+        return _op_name(func)
+
+    def timed_call(self, /, *args, **kwargs):
+        if self is not cur[0]:
+            return call(self, *args, **kwargs)
+        cur[0] = None  # (its own call only, once)
+        t0 = time.thread_time()
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            cur[1] += time.thread_time() - t0
+
+    def timed_on_op(self, func, args, kwargs):
+        if cur[0] is not None:
+            return on_op(self, func, args, kwargs)
+        cur[0], cur[1] = func, 0.0
+        t0 = time.thread_time()
+        try:
+            return on_op(self, func, args, kwargs)
+        finally:
+            dt = time.thread_time() - t0
+            e = _BY_OP.setdefault(kind(func, args), [0, 0.0, 0.0])
+            e[0] += 1
+            e[1] += dt
+            e[2] += cur[1]
+            cur[0] = None
+
+    OpOverload.__call__ = timed_call
+    OpRecorder.on_op = timed_on_op
+
+
+def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: bool = False) -> dict:
     import torch
 
     import divtrace
@@ -166,7 +220,17 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "") -> dict:
                                       "max": round(max(t_extra), 1)},
                          "ratio": round(statistics.median(h / p for h, p in zip(thread["hash_ops"], thread["plain"])), 3)}
         out["cpu_ratio"] = round(statistics.median(h / p for h, p in zip(cpu["hash_ops"], cpu["plain"])), 3)
-        if profile == 1:  # (--profile 1: the split, over 6 recorded forwards)
+        if by_op:  # (--by-op: on_op per aten op, over 6 recorded forwards)
+            _by_op(model)
+            for _ in range(6):
+                rec()
+            rows = sorted(((k, n / 6, 1e3 * (a - b) / 6, 1e3 * b / 6) for k, (n, a, b) in _BY_OP.items()),
+                          key=lambda r: -r[2])
+            out["by_op"] = {"ms_per_forward (on_op less the op's own call)": round(sum(r[2] for r in rows), 1),
+                            "ops_per_forward": round(sum(r[1] for r in rows), 1),
+                            "kernel_ms_per_forward": round(sum(r[3] for r in rows), 1),
+                            "ops": [[k, round(n, 1), round(x, 2), round(kern, 2)] for k, n, x, kern in rows]}
+        elif profile == 1:  # (--profile 1: the split, over 6 recorded forwards)
             _split()
             t0 = time.thread_time()
             for _ in range(6):
@@ -197,7 +261,7 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "") -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def rank_main(rank, world, model_dir, rounds, profile, ablate=""):
+def rank_main(rank, world, model_dir, rounds, profile, ablate="", by_op=False):
     import torch
     from transformers import LlamaForCausalLM
 
@@ -206,7 +270,7 @@ def rank_main(rank, world, model_dir, rounds, profile, ablate=""):
     torch.set_num_threads(1)
     model = LlamaForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32).eval()
     _, ids = build(small=model.config.num_hidden_layers == 2)
-    out = _measure(model, ids, rounds, profile, ablate)  # (both ranks run the same forwards: collectives pair them)
+    out = _measure(model, ids, rounds, profile, ablate, by_op)  # (both ranks run the same forwards: collectives pair them)
     if rank:
         out.pop("profile", None)
     return out
@@ -219,6 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--no-tp1", action="store_true")
     ap.add_argument("--no-tp2", action="store_true")
+    ap.add_argument("--by-op", action="store_true", help="diagnostics: on_op's CPU ms per forward by aten op "
+                    "(exclusive of the op's own call), with call counts: [op, calls, ms, op's own ms]")
     ap.add_argument("--ablate", default="", help="diagnostics: parts left out, comma-separated: layouts, tokens")
     args = ap.parse_args(argv)
     import torch
@@ -233,7 +299,7 @@ def main(argv=None) -> int:
         model_dir = tempfile.mkdtemp(prefix="divtrace-rank-ops-model-")
         model.save_pretrained(model_dir)
         try:
-            ranks = run_ranks(rank_main, 2, model_dir, args.rounds, args.profile, args.ablate, timeout_s=600, join_s=7200)
+            ranks = run_ranks(rank_main, 2, model_dir, args.rounds, args.profile, args.ablate, args.by_op, timeout_s=600, join_s=7200)
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)
         for r, x in enumerate(ranks):
@@ -242,7 +308,7 @@ def main(argv=None) -> int:
                 print(f"--- rank {r} profile ---\n{prof}")
             res[f"rank{r}"] = x
     if not args.no_tp1:
-        x = _measure(model, ids, args.rounds, args.profile, args.ablate)
+        x = _measure(model, ids, args.rounds, args.profile, args.ablate, args.by_op)
         prof = x.pop("profile", None)
         if prof:
             print(f"--- TP=1 profile ---\n{prof}")

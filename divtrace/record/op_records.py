@@ -23,6 +23,8 @@ from divtrace.record.lifecycle import owners as _owners
 from divtrace.record.values import op_inputs, op_tensors
 from divtrace.trace.records import OpRecord
 
+_PLAIN_TYPES, _STRIDED = frozenset((torch.Tensor, torch.nn.Parameter)), torch.strided  # (dispatched as they are)
+_AS_IS = frozenset((int, bool, str, type(None)))  # argument types _encode returns as they are
 _NO_LOCALS: dict = {}  # (never written: an op whose tensors are all plain maps none to another)
 _MUTATED: dict = {}  # op overload -> [(position, name)] of the arguments it writes to
 
@@ -121,22 +123,28 @@ class OpRecorder:
                 self._values.bumped = {id(y) for pos, key in mutated
                                        for y in op_tensors(args[pos] if pos < len(args) else kwargs.get(key), [])}
             tensors_in = op_inputs(args, kwargs)
-            plain_in = [self._plain(t, func) for t in tensors_in]
+            plain_in = []
             plain = True
             local = _NO_LOCALS  # id(tensor) -> its plain tensor, where that is another (a DTensor's local one)
-            for t, p in zip(tensors_in, plain_in):
+            for t in tensors_in:
+                if type(t) in _PLAIN_TYPES and t.layout is _STRIDED and not (t.is_quantized or t.is_nested or t.is_meta):
+                    plain_in.append(t)  # (values.plain's common case, inline: every input of every op)
+                    continue
+                p = self._plain(t, func)  # (each one asked: a tensor it cannot record is a warning)
+                plain_in.append(p)
                 if p is not t:
                     if p is None:
                         plain = False
-                        break
-                    if local is _NO_LOCALS:
-                        local = {}
-                    local[id(t)] = p
+                    elif local is _NO_LOCALS:
+                        local = {id(t): p}
+                    else:
+                        local[id(t)] = p
             if plain:
                 values: list = []
                 vids: list[int] = []
-                enc_args = [self._encode(a, values, vids, local) for a in args]
-                enc_kwargs = {k: self._encode(v, values, vids, local) for k, v in kwargs.items()}
+                encode = self._encode
+                enc_args = [a if type(a) in _AS_IS else encode(a, values, vids, local) for a in args]
+                enc_kwargs = {k: encode(v, values, vids, local) for k, v in kwargs.items()} if kwargs else {}
                 if self.placements is not None:
                     self.placements.op_inputs(tensors_in, plain_in, vids)
         self._values.bumped = None
@@ -152,7 +160,7 @@ class OpRecorder:
         if not plain:
             return out
         with _BUSY:
-            outs = op_tensors(got, [])
+            outs = [got] if isinstance(got, torch.Tensor) else op_tensors(got, [])
             writes = None
             if got is None:  # returns nothing, writes its result into arguments (vLLM's _C.onednn_mm): those
                 outs, writes = [], []  # are its outputs, and `out` says which arguments hold them
@@ -161,8 +169,17 @@ class OpRecorder:
                     got = op_tensors(args[pos] if pos < len(args) else kwargs.get(arg), [])
                     outs += got
                     writes += [where] if len(got) == 1 else [[where, k] for k in range(len(got))]
-            plain_out = [self._plain(t, func) for t in outs]
-            if not outs or any(p is None for p in plain_out):
+            if not outs:
+                return out
+            plain_out = []
+            for t in outs:
+                if not (type(t) in _PLAIN_TYPES and t.layout is _STRIDED
+                        and not (t.is_quantized or t.is_nested or t.is_meta)):
+                    t = self._plain(t, func)
+                    if t is None:
+                        plain = False
+                plain_out.append(t)
+            if not plain:
                 return out
             index = self._take_index()
             pl = self.placements
@@ -174,8 +191,12 @@ class OpRecorder:
                         for p in plain_out]
             if pl is not None:
                 pl.bind_outputs(plain_out, out_vids)
-            vid_by_id = {id(t): v for t, v in zip(outs, out_vids)}
-            enc_out = self._encode_out(got, vid_by_id) if writes is None else {"$writes": writes}
+            if writes is not None:
+                enc_out = {"$writes": writes}
+            elif got is outs[0] and len(outs) == 1:  # (most ops: one tensor)
+                enc_out = {"$v": out_vids[0]}
+            else:
+                enc_out = self._encode_out(got, {id(t): v for t, v in zip(outs, out_vids)})
             rec = OpRecord(index, owner, name, enc_args, enc_kwargs, vids, out_vids, enc_out)
             self.writer.append(rec, values)
             if name == "aten.topk.default":

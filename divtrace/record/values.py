@@ -280,13 +280,9 @@ class ValueIdentity:
                   enc_args=None, is_view: bool = False, enc_kwargs=None) -> int:
         # A view's version counter is tied to its base's only after the op has returned through the dispatch
         # mode: here it still reads 0. What the view will read from then on is its base's version now.
-        version = self.version(t)
-        base = None
+        base = self._alias_source(t, inputs) if is_view else None
+        version = self.version(t if base is None else base)
         alias = None  # (vid, tensor) of an input `t` reads the same bytes of: its token rows may serve `t` too
-        if is_view:
-            base = self._alias_source(t, inputs)
-            if base is not None:
-                version = self.version(base)
         v = None
         # An alias that reads the same bytes in the same logical order as an input (view, reshape, detach,
         # alias) has the input's fingerprint: reuse it instead of hashing again.
@@ -299,17 +295,20 @@ class ValueIdentity:
             if (t.is_contiguous() and src.is_contiguous()) or (src.shape == t.shape and src.stride() == t.stride()):
                 e = self._tensors.get(src)
                 # (an alias of a derived view is derived again from its own op, or hashed: it has no bytes to share)
-                if e is not None and e[1] == self.version(src) and e[0] not in self._derived:
+                if e is not None and e[1] == (version if src is base else self.version(src)) \
+                        and e[0] not in self._derived:
                     v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer, shape=list(t.shape),
                                    stride=list(t.stride()))
                     alias = (e[0], src)
                 break
         if v is None and op in DERIVABLE_VIEWS and not t.is_contiguous():
-            v = self._derived_view(t, producer, inputs, op, enc_args, enc_kwargs or {})
-            if v is not None and self._tokens.grid is not None:
-                src = self._alias_source(t, inputs)
-                e = self._tensors.get(src) if src is not None else None
-                alias = (e[0], src) if e is not None else None
+            src = base if is_view else self._alias_source(t, inputs)
+            e = self._tensors.get(src) if src is not None else None
+            if e is not None:
+                v = self._derived_view(t, producer, src, e, version if src is base else self.version(src), op,
+                                       enc_args, enc_kwargs or {})
+                if v is not None and self._tokens.grid is not None:
+                    alias = (e[0], src)
         if v is None:
             v = self.writer.new_value(t, producer=producer)
         new_values.append(v)
@@ -339,15 +338,14 @@ class ValueIdentity:
                 continue
         return None
 
-    def _derived_view(self, t, producer, inputs, op, enc_args, enc_kwargs):
+    def _derived_view(self, t, producer, src, e, src_version, op, enc_args, enc_kwargs):
         """A strided view (w.t(), a transpose, an expand) of a known value: a fingerprint derived from the op, its
         arguments and the input's fingerprint (divtrace.trace.derived_views), instead of a copy and a hash of its bytes; in
         full mode no bytes either (a reader rebuilds them from the op). A value that reaches a module boundary
         is hashed (and stored) for real there (`_real_hash`), where the other side may hold the same bytes
-        made another way."""
-        src = self._alias_source(t, inputs)
-        e = self._tensors.get(src) if src is not None else None
-        if e is None or e[1] != self.version(src) or (self._unsettled and e[0] in self._unsettled):
+        made another way. `src` is the input `t` views (`_alias_source`), `e` its table entry, `src_version` its
+        version now."""
+        if e[1] != src_version or (self._unsettled and e[0] in self._unsettled):
             return None  # (a fresh buffer may be written behind torch's back: its views' bytes are hashed)
         if self.mode == "full" and not (rebuildable(enc_args, enc_kwargs)
                                         and e[0] in _arg_vids(enc_args, enc_kwargs)):

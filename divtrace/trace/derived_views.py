@@ -42,9 +42,47 @@ def view_fingerprint(op: str, src_hash: str, src_dtype: str, src_shape: list, sh
     {"$v": vid}; vids are per trace, so they are masked) to a value of fingerprint `src_hash`, dtype `src_dtype`
     ("torch.float32") and shape `src_shape`, giving `shape`. The source's shape is part of the key: its hash
     covers the bytes only, and the same bytes as [3, 1] and [1, 3] expand to different values."""
+    memo = None
+    if type(enc_kwargs) is dict and not enc_kwargs and type(enc_args) is list:  # (the recorder's views: a few plain arguments, no kwargs)
+        ck = _consts_key(enc_args)
+        if ck is not None:
+            memo = (op, src_hash, src_dtype, tuple(src_shape), tuple(shape), ck)
+            h = _MEMO.get(memo)
+            if h is not None:
+                return h
     consts = _VID_JSON.sub("T", _KEY_JSON([enc_args, enc_kwargs]))
     key = _KEY_JSON([VIEW_KEY, op, src_hash, src_dtype, list(src_shape), list(shape), consts])
-    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+    h = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+    if memo is not None:
+        if len(_MEMO) >= 8192:
+            _MEMO.clear()
+        _MEMO[memo] = h
+    return h
+
+
+# view_fingerprint's answers (a function of its arguments alone): every forward, and every recording, takes the
+# same views of the same weights (`w.t()`, HF's `to_local` views), whose source fingerprints are met again.
+_MEMO: dict[tuple, str] = {}
+_TENSOR, _TRUE, _FALSE = object(), object(), object()  # (True == 1 and 1.0 == 1 as keys: bools are marked)
+
+
+def _consts_key(args: list):
+    """A key standing for the encoded arguments exactly as the fingerprint's key reads them (tensors as one mark,
+    their vids masked), or None where they are not all ints, bools, None, tensors or int lists."""
+    out = []
+    for a in args:
+        ta = type(a)
+        if ta is int or a is None:
+            out.append(a)
+        elif ta is bool:
+            out.append(_TRUE if a else _FALSE)
+        elif ta is dict and len(a) == 1 and "$v" in a:
+            out.append(_TENSOR)
+        elif ta is list and all(type(y) is int for y in a):
+            out.append(("list", *a))
+        else:
+            return None
+    return tuple(out)
 
 
 def rebuildable(enc_args: list, enc_kwargs: dict) -> bool:
