@@ -25,7 +25,7 @@ from divtrace.errors import DivtraceError
 from divtrace.record.routing import Routes, routed_gshape, routed_partial, row_hexes
 from divtrace.record.shard_rules import Lay, ruled_layouts
 from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes, strided_row_fingerprints
-from divtrace.trace.hashing.tensor import partial_hex, tensor_partial, to_hex
+from divtrace.trace.hashing.tensor import hash_and_partial, partial_hex, reads_pairs, tensor_partial, to_hex
 from divtrace.trace.layouts import Layout, LayoutWriter, Mesh
 
 
@@ -77,6 +77,8 @@ class Placements:
         self._styles: dict[int, tuple] = {}  # id(module) -> (kind, mesh id, in layout fn, out layout fn)
         self._style_lays: dict[tuple, Lay | None] = {}  # (style, mesh id, its layout, local shape) -> _style_lay's
         self._dtensor_lays: dict[tuple, Lay | None] = {}  # (id(mesh), shape, placements, local shape, src) -> layout
+        self._writer = writer
+        self._pairs: dict[int, tuple] = {}  # id(op result) -> (it, its layout, hex partial): block_fp's, for _bind
         self.routes = Routes()  # routings declared by divtrace.routed (record/routing.py)
         self._routing: dict[int, object] = {}  # id(tensor about to be bound with a T layout) -> its Routing
         self._scan(model)
@@ -244,10 +246,28 @@ class Placements:
         if lay is not None:
             self.pending[id(plain)] = lay
 
+    def block_fp(self, t):
+        """(hex, stats) of op result `t`, about to get its value id (values.ValueIdentity.produced), where its
+        layout is a block and the C kernel reads it: taken from the same read as its partial
+        (hashing.tensor.hash_and_partial), which waits in `_pairs` for `_bind`. None otherwise (the writer
+        fingerprints `t`, `_bind` takes the partial)."""
+        lay = self.pending.get(id(t))
+        if lay is None or not _has_block(lay.placements) or self._writer.device is not None or not reads_pairs(t):
+            return None
+        if self._writer.mode != "hash" and not t.is_contiguous():  # (full mode hashes the contiguous copy it stores)
+            return None
+        try:
+            h, stats, partial = hash_and_partial(t, lay.gshape, lay.offsets)
+        except Exception:  # (a layout that does not fit: `_bind` says so)
+            return None
+        self._pairs[id(t)] = (t, lay, partial)  # (`t` held: its id is not reused while the entry lives)
+        return h, stats
+
     def after_value(self, plain, vid: int) -> None:
         lay = self.pending.pop(id(plain), None)
+        pair = self._pairs.pop(id(plain), None) if self._pairs else None  # (taken now whether it binds or not)
         if lay is not None and vid not in self.by_vid:
-            self._bind(plain, vid, lay)
+            self._bind(plain, vid, lay, pair[2] if pair is not None and pair[0] is plain and pair[1] is lay else None)
         self.row_partials.discard(id(plain))
 
     def op_inputs(self, tensors_in, plain_in, vids) -> None:
@@ -265,6 +285,8 @@ class Placements:
                    collective_lays=None) -> None:
         """An op's results, before they get their value ids: their layouts (a DTensor result's placements, a
         collective's, else the rules'), pending until `bind_outputs`."""
+        if self._pairs:  # (left by an op that failed before its results were bound)
+            self._pairs.clear()
         lays = [self.dtensor_lay(t) if t is not p else None for t, p in zip(outs, plain_out)]
         if collective_lays is not None:
             lays = [a or b for a, b in zip(lays, collective_lays)]
@@ -293,16 +315,17 @@ class Placements:
         return got
 
     # -- lines ----------------------------------------------------------------------------------------------
-    def _bind(self, t, vid: int, lay: Lay) -> None:
+    def _bind(self, t, vid: int, lay: Lay, partial: str | None = None) -> None:
+        """Bind value `vid` (tensor `t`) to layout `lay`, and queue its layout line; `partial`: its hex partial
+        when block_fp took it with its fingerprint."""
         self.by_vid[vid] = lay
-        partial = None
         routing = self._routing.pop(id(t), None) if lay.placements == ("T",) else None
         if routing is not None:
             self.out.add(Layout(vid, lay.mesh, ["T"], list(lay.gshape), list(lay.offsets), lay.src,
                                 to_hex(routed_partial(t, routing)), False, lay.why, routing.top_k, routing.table(),
                                 row_hexes(t)).to_json())
             return
-        if any(p[0] == "S" for p in lay.placements):
+        if partial is None and _has_block(lay.placements):
             key = self._partial_key(t, vid, lay)
             partial = _PARTIALS.get(key) if key is not None else None
             try:
@@ -352,6 +375,10 @@ class Placements:
     def _warn(self, msg: str) -> None:
         if msg not in self.warnings and len(self.warnings) < 100:
             self.warnings.append(msg)
+
+
+def _has_block(placements) -> bool:
+    return any(p[0] == "S" for p in placements)
 
 
 _ROW_PLANS: dict[tuple, tuple | None] = {}  # (code, layout, shape) -> _row_plan's answer

@@ -169,6 +169,8 @@ class TensorTable:
 class ValueIdentity:
     """Value ids of the tensors one recording meets, and the versions they were seen at (one per Recorder)."""
 
+    block_fp = None  # a rank's Placements.block_fp: an op result's (hash, stats) taken with its partial, or None
+
     def __init__(self, mode: str, tokens, warnings_out: list):
         self.mode = mode  # "full" or "hash"
         self._tokens = tokens  # the recording's TokenRows: the grid of the root call in progress, row fingerprints
@@ -310,8 +312,8 @@ class ValueIdentity:
                 src = self._alias_source(t, inputs)
                 e = self._tensors.get(src) if src is not None else None
                 alias = (e[0], src) if e is not None else None
-        if v is None:
-            v = self.writer.new_value(t, producer=producer)
+        if v is None:  # (a rank's block: its fingerprint and its global partial from one read, record/placements.py)
+            v = self.writer.new_value(t, producer=producer, fp=self.block_fp(t) if self.block_fp is not None else None)
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
         if self._tokens.grid is not None:
