@@ -1,5 +1,5 @@
 """A rank's block values (op results with an S layout) get their fingerprint and their partial of the global value
-from one read (record/placements.Placements.block_fp, hashing.tensor.hash_and_partial): in a real TP recording
+from one read (record/partials.Partials.block_fp, hashing.tensor.hash_and_partial): in a real TP recording
 (HF's TP plan, 2 gloo ranks, ops=True) every pair equals the two kernels run apart, the slot is empty once each is
 bound, and the trace is byte for byte (process addresses masked) the one recorded with the pair path switched off."""
 from __future__ import annotations
@@ -20,11 +20,11 @@ def pair_worker(rank, world, model_dir, root):
     from transformers import LlamaForCausalLM
 
     import divtrace
-    from divtrace.record import placements
+    from divtrace.record import partials
     from divtrace.trace.hashing.tensor import hash_with_stats, partial_hex
 
     torch.set_num_threads(1)
-    fused = placements.hash_and_partial
+    fused = partials.hash_and_partial
     seen, wrong = [], []
 
     def checked(t, gshape, offsets):
@@ -35,7 +35,7 @@ def pair_worker(rank, world, model_dir, root):
             wrong.append((tuple(t.shape), t.stride(), gshape, offsets, got, want))
         return got
 
-    placements.hash_and_partial = checked
+    partials.hash_and_partial = checked
     out = {}
     for dtype in ("float32", "bfloat16"):
         m = LlamaForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=getattr(torch, dtype)).eval()
@@ -45,7 +45,7 @@ def pair_worker(rank, world, model_dir, root):
                 if not pair:
                     rec.values.block_fp = None
                 m(torch.tensor(IDS))
-                left = len(rec.placements._pairs)
+                left = len(rec.placements.partials.pairs)
             out[(dtype, pair)] = (len(seen), left)
             seen.clear()
     return out, wrong

@@ -31,7 +31,7 @@ _PAIR = hasattr(_native, "fingerprint2_pair")  # (not in an extension built befo
 IMPLEMENTATION = "native" if _native is not None else "torch"  # how CPU tensors are hashed (meta.json hash_impl)
 
 __all__ = ["TENSOR_SCHEME", "tensor_fingerprint", "tensor_partial", "partial_hex", "combine", "to_hex", "hexes", "from_hex",
-           "combine_hex", "tensor_hash", "hash_with_stats", "hash_and_partial", "reads_pairs", "partial_with_stats",
+           "combine_hex", "tensor_hash", "hash_with_stats", "hash_and_partial", "reads_pairs", "global_runs", "partial_with_stats",
            "IMPLEMENTATION"]
 ZERO_HASH = "0" * 32
 _PLACES: dict[tuple, tuple] = {}  # (local shape, global shape, offsets, itemsize) -> _place's answer
@@ -52,6 +52,13 @@ def _place(t: torch.Tensor, global_shape, offsets) -> tuple[Runs, int, tuple | N
             _PLACES.clear()
         _PLACES[key] = got
     return got
+
+
+def global_runs(t: torch.Tensor, global_shape, offsets) -> Runs:
+    """Where each element of `t` (in its logical order) lies in the value of `global_shape` it is the block at
+    `offsets` of (element units): with its dtype, what a partial depends on besides the values. Raises as
+    `tensor_partial` where the block does not fit."""
+    return _place(t, global_shape, offsets)[0]
 
 
 def _native_sums(t: torch.Tensor, where, stats: bool):
