@@ -1102,16 +1102,26 @@ static int outer_dims(const args2_t *a) {
     return k;
 }
 
+/* parse2, then the layout of dims `whole ? 0 : *k`.. into *L, where *k is the number of outer dims (outer_dims). */
+static int start2(PyObject *args, args2_t *a, layout_t *L, int *k, int whole) {
+    int r = parse2(args, a);
+    if (r <= 0)
+        return r;
+    *k = outer_dims(a);
+    memset(L, 0, sizeof *L);
+    L->base = a->ptr, L->es = a->es;
+    for (int d = whole ? 0 : *k; d < a->n; d++)
+        layout_add(L, a->size[d], a->stride[d] * (int64_t)a->es);
+    return 1;
+}
+
 /* fingerprint2() and fingerprint2_summary() run through the kernel into *st: 1, 0 (no bytes) or -1. */
 static int run_kernel2(PyObject *args, state_t *st) {
     args2_t a;
-    int r = parse2(args, &a);
+    layout_t L;
+    int k, r = start2(args, &a, &L, &k, 0);
     if (r <= 0)
         return r;
-    int k = outer_dims(&a);
-    layout_t L = {a.ptr, a.es, 0, {0}, {0}};
-    for (int d = k; d < a.n; d++)
-        layout_add(&L, a.size[d], a.stride[d] * (int64_t)a.es);
     outer_t O = {k, {0}, {0}, {0}, a.gbase};
     for (int d = 0; d < k; d++)
         O.size[d] = a.size[d], O.lstride[d] = a.stride[d] * (int64_t)a.es, O.gstride[d] = a.gstride[d];
@@ -1126,13 +1136,10 @@ static int run_kernel2(PyObject *args, state_t *st) {
    positions, as fingerprint2(..., gbase, gstrides, 0)): 1, 0 (no bytes) or -1. */
 static int run_kernel2_pair(PyObject *args, state_t *st, state_t *gs, runs_t *R) {
     args2_t a;
-    int r = parse2(args, &a);
+    layout_t L;
+    int k, r = start2(args, &a, &L, &k, 1);
     if (r <= 0)
         return r;
-    int k = outer_dims(&a);
-    layout_t L = {a.ptr, a.es, 0, {0}, {0}};
-    for (int d = 0; d < a.n; d++)
-        layout_add(&L, a.size[d], a.stride[d] * (int64_t)a.es);
     memset(R, 0, sizeof *R);
     R->st = gs, R->k = k, R->gbase = a.gbase, R->es = a.es;
     R->run_bytes = a.es;
