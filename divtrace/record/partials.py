@@ -76,11 +76,6 @@ class Partials:
         pair = self.pairs.pop(id(t), None) if self.pairs else None
         return pair[2] if pair is not None and pair[0] is t and pair[1] is lay else None
 
-    def drop_pairs(self) -> None:
-        """Before an op's results: pairs left by an op that failed before its results were bound are stale."""
-        if self.pairs:
-            self.pairs.clear()
-
     def of(self, t, vid: int, lay, partial=None):
         """The partial of value `vid` (tensor `t`, block layout `lay`): `partial` where block_fp took it, else a
         kept one, else read. Raises where the layout does not fit `t`."""

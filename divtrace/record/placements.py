@@ -259,17 +259,13 @@ class Placements:
                    collective_lays=None) -> None:
         """An op's results, before they get their value ids: their layouts (a DTensor result's placements, a
         collective's, else the rules'), pending until `bind_outputs`."""
-        self.partials.drop_pairs()
-        by_vid = self.by_vid
-        if collective_lays is None and all(t is p for t, p in zip(outs, plain_out)):  # (no DTensor result)
-            if not any(v in by_vid for v in vids_in):
-                return  # (no input with a layout: none to carry)
-            lays = [None] * len(outs)
-        else:
-            lays = [self.dtensor_lay(t) if t is not p else None for t, p in zip(outs, plain_out)]
+        if self.partials.pairs:  # (left by an op that failed before its results were bound: stale)
+            self.partials.pairs.clear()
+        lays = [self.dtensor_lay(t) if t is not p else None for t, p in zip(outs, plain_out)]
         if collective_lays is not None:
             lays = [a or b for a, b in zip(lays, collective_lays)]
         elif not all(lays):
+            by_vid = self.by_vid
             ins = tuple((p.shape, by_vid.get(v)) for p, v in zip(plain_in, vids_in))
             if any(x[1] is not None for x in ins):  # (no input with a layout: none to carry)
                 ruled = ruled_layouts(func, name, args, ins, tensors_in, plain_in, vids_in, by_vid, plain_out)
