@@ -84,6 +84,7 @@ typedef struct {
     uint64_t gpos;         /* v2: the global byte position of the next byte consumed */
     int v2;
     uint64_t h0, h1;
+    struct runs_s *pair; /* fingerprint2_pair: the global partial taken from the same bytes (else NULL) */
     /* stats */
     int kind, careful;
     double lo, hi, sum;
@@ -757,9 +758,56 @@ typedef void (*consume_fn)(state_t *, const uint8_t *, size_t);
 static consume_fn consume_fast = consume_generic, consume2_fast = consume2_generic;
 static const char *isa = "generic";
 
+/* fingerprint2_pair: a block's bytes, in its local logical order, cut into the runs it holds of its global value:
+   each index of the outer dims (lexicographic) is the next run_bytes of the local stream, at global element
+   gbase + sum idx * gstride. */
+typedef struct runs_s {
+    state_t *st; /* the global partial's state (no statistics) */
+    int k;
+    int64_t size[MAXDIM], gstride[MAXDIM], idx[MAXDIM], gbase;
+    uint64_t run_bytes, left;
+    size_t es;
+} runs_t;
+
+static void runs_consume(runs_t *R, const uint8_t *p, size_t nbytes) {
+    while (nbytes) {
+        if (!R->left) { /* the next run: its global position, and the outer index moved on */
+            int64_t g = R->gbase;
+            for (int d = 0; d < R->k; d++)
+                g += R->idx[d] * R->gstride[d];
+            R->st->gpos = (uint64_t)g * R->es;
+            R->left = R->run_bytes;
+            int d = R->k - 1;
+            while (d >= 0 && ++R->idx[d] == R->size[d])
+                R->idx[d--] = 0;
+        }
+        size_t take = R->left < nbytes ? (size_t)R->left : nbytes;
+        consume2_fast(R->st, p, take);
+        p += take, nbytes -= take, R->left -= take;
+    }
+}
+
+/* Both sums from each piece while it is in L1: the whole value's (with the statistics) and the global partial's.
+   Pieces end at multiples of PAIR_PIECE bytes of the local stream (a multiple of a block's 4 KiB), where the
+   local kernel cuts its blocks anyway: it makes the same block calls, so the same statistics, as
+   fingerprint2_summary over the whole value. */
+#define PAIR_PIECE (16 * 1024)
+static void consume_pair(state_t *st, const uint8_t *p, size_t nbytes) {
+    while (nbytes) {
+        size_t take = PAIR_PIECE - (size_t)(st->gpos % PAIR_PIECE);
+        if (take > nbytes)
+            take = nbytes;
+        consume2_fast(st, p, take);
+        runs_consume(st->pair, p, take);
+        p += take, nbytes -= take;
+    }
+}
+
 static void consume(state_t *st, const uint8_t *p, size_t nbytes) {
-    if (st->careful)
+    if (st->careful) /* (the exact statistics' second pass: the sums, the pair's too, are taken) */
         stats_exact(st, p, nbytes);
+    else if (st->pair)
+        consume_pair(st, p, nbytes);
     else if (st->v2)
         consume2_fast(st, p, nbytes);
     else
@@ -998,54 +1046,116 @@ static int run_kernel(PyObject *args, state_t *st) {
     return execute(st, &L, &O, numel);
 }
 
-/* The arguments of fingerprint2() and fingerprint2_summary() (lane-gsum128-v2): ptr, elem_size, shape, strides
-   (the local tensor, strides in elements), gbase and gstrides (global element index of element (0, ..., 0) and
-   of one step along each dim; None: the tensor is the whole value, row-major), stats_kind. 1, 0 (no bytes) or -1. */
-static int run_kernel2(PyObject *args, state_t *st) {
+/* The arguments of fingerprint2(), fingerprint2_summary() and fingerprint2_pair() (lane-gsum128-v2): ptr, elem_size,
+   shape, strides (the local tensor, strides in elements), gbase and gstrides (global element index of element
+   (0, ..., 0) and of one step along each dim; None: the tensor is the whole value, row-major), stats_kind. */
+typedef struct {
+    const uint8_t *ptr;
+    size_t es;
+    int n, kind; /* n: dims left once those of size 1 are dropped */
+    int64_t size[MAXDIM], stride[MAXDIM], gstride[MAXDIM], gbase;
+    uint64_t numel;
+} args2_t;
+
+/* Parse them into *a: 1, 0 (no bytes) or -1 with an exception set. */
+static int parse2(PyObject *args, args2_t *a) {
     unsigned long long ptr;
     Py_ssize_t es;
     long long gbase;
     int kind;
     PyObject *shape, *strides, *gstrides_arg;
-    int64_t size[MAXDIM], stride[MAXDIM], gstride[MAXDIM];
     if (!PyArg_ParseTuple(args, "KnOOLOi", &ptr, &es, &shape, &strides, &gbase, &gstrides_arg, &kind))
         return -1;
-    Py_ssize_t nd = read_shape(shape, strides, es, size, stride);
+    Py_ssize_t nd = read_shape(shape, strides, es, a->size, a->stride);
     if (nd < 0)
         return -1;
     uint64_t numel = 1;
     for (Py_ssize_t d = 0; d < nd; d++)
-        numel *= (uint64_t)size[d];
+        numel *= (uint64_t)a->size[d];
     if (gstrides_arg == Py_None) {
         int64_t g = 1;
         for (Py_ssize_t d = nd - 1; d >= 0; d--)
-            gstride[d] = g, g *= size[d];
-    } else if (read_dims(gstrides_arg, gstride, nd, "gstrides")) {
+            a->gstride[d] = g, g *= a->size[d];
+    } else if (read_dims(gstrides_arg, a->gstride, nd, "gstrides")) {
         return -1;
     }
     if (gbase < 0) {
         PyErr_SetString(PyExc_ValueError, "gbase < 0");
         return -1;
     }
+    a->ptr = (const uint8_t *)(uintptr_t)ptr, a->es = (size_t)es, a->gbase = gbase, a->kind = kind, a->numel = numel;
     if (numel == 0)
         return 0;
-    int n = 0; /* dims of size 1 dropped */
+    int n = 0;
     for (Py_ssize_t d = 0; d < nd; d++)
-        if (size[d] != 1)
-            size[n] = size[d], stride[n] = stride[d], gstride[n] = gstride[d], n++;
-    int k = n; /* dims k.. are contiguous in the global order: each index of dims ..k-1 is one run */
-    for (int64_t expect = 1; k > 0 && gstride[k - 1] == expect; k--)
-        expect *= size[k - 1];
-    layout_t L = {(const uint8_t *)(uintptr_t)ptr, (size_t)es, 0, {0}, {0}};
-    for (int d = k; d < n; d++)
-        layout_add(&L, size[d], stride[d] * es);
-    outer_t O = {k, {0}, {0}, {0}, gbase};
+        if (a->size[d] != 1)
+            a->size[n] = a->size[d], a->stride[n] = a->stride[d], a->gstride[n] = a->gstride[d], n++;
+    a->n = n;
+    return 1;
+}
+
+/* Dims k.. of *a are contiguous in the global order: each index of dims ..k-1 is one run. */
+static int outer_dims(const args2_t *a) {
+    int k = a->n;
+    for (int64_t expect = 1; k > 0 && a->gstride[k - 1] == expect; k--)
+        expect *= a->size[k - 1];
+    return k;
+}
+
+/* parse2, then the layout of dims `whole ? 0 : *k`.. into *L, where *k is the number of outer dims (outer_dims). */
+static int start2(PyObject *args, args2_t *a, layout_t *L, int *k, int whole) {
+    int r = parse2(args, a);
+    if (r <= 0)
+        return r;
+    *k = outer_dims(a);
+    memset(L, 0, sizeof *L);
+    L->base = a->ptr, L->es = a->es;
+    for (int d = whole ? 0 : *k; d < a->n; d++)
+        layout_add(L, a->size[d], a->stride[d] * (int64_t)a->es);
+    return 1;
+}
+
+/* fingerprint2() and fingerprint2_summary() run through the kernel into *st: 1, 0 (no bytes) or -1. */
+static int run_kernel2(PyObject *args, state_t *st) {
+    args2_t a;
+    layout_t L;
+    int k, r = start2(args, &a, &L, &k, 0);
+    if (r <= 0)
+        return r;
+    outer_t O = {k, {0}, {0}, {0}, a.gbase};
     for (int d = 0; d < k; d++)
-        O.size[d] = size[d], O.lstride[d] = stride[d] * es, O.gstride[d] = gstride[d];
+        O.size[d] = a.size[d], O.lstride[d] = a.stride[d] * (int64_t)a.es, O.gstride[d] = a.gstride[d];
     memset(st, 0, sizeof *st);
     st->v2 = 1;
-    st->kind = kind;
-    return execute(st, &L, &O, numel);
+    st->kind = a.kind;
+    return execute(st, &L, &O, a.numel);
+}
+
+/* fingerprint2_pair(): one walk over the local tensor in its logical order into *st (the whole value's sums from
+   lane 0, as fingerprint2_summary(..., 0, None, kind), and its statistics) and *gs (the sums at the global
+   positions, as fingerprint2(..., gbase, gstrides, 0)): 1, 0 (no bytes) or -1. */
+static int run_kernel2_pair(PyObject *args, state_t *st, state_t *gs, runs_t *R) {
+    args2_t a;
+    layout_t L;
+    int k, r = start2(args, &a, &L, &k, 1);
+    if (r <= 0)
+        return r;
+    memset(R, 0, sizeof *R);
+    R->st = gs, R->k = k, R->gbase = a.gbase, R->es = a.es;
+    R->run_bytes = a.es;
+    for (int d = 0; d < a.n; d++)
+        if (d < k)
+            R->size[d] = a.size[d], R->gstride[d] = a.gstride[d];
+        else
+            R->run_bytes *= (uint64_t)a.size[d];
+    memset(gs, 0, sizeof *gs);
+    gs->v2 = 1;
+    memset(st, 0, sizeof *st);
+    st->v2 = 1;
+    st->kind = a.kind;
+    st->pair = R;
+    outer_t O = {0};
+    return execute(st, &L, &O, a.numel);
 }
 
 static PyObject *stats_tuple(const state_t *st) {
@@ -1112,6 +1222,23 @@ static PyObject *py_fingerprint2_summary(PyObject *self, PyObject *args) {
     state_t st;
     int r = run_kernel2(args, &st);
     return summary_result(r, &st);
+}
+
+/* fingerprint2_pair(the arguments of fingerprint2) -> (hex hash, stats, hex partial): fingerprint2_summary of the
+   whole local tensor (gbase 0, row-major) and the hex of fingerprint2's sums at gbase/gstrides, from one read of
+   its bytes (a recording rank fingerprints each block it makes and takes its global partial). */
+static PyObject *py_fingerprint2_pair(PyObject *self, PyObject *args) {
+    state_t st, gs;
+    runs_t R;
+    int r = run_kernel2_pair(args, &st, &gs, &R);
+    PyObject *s = summary_result(r, &st);
+    if (!s)
+        return NULL;
+    char hex[33];
+    snprintf(hex, sizeof hex, "%016llx%016llx", r ? (unsigned long long)gs.h0 : 0ULL, r ? (unsigned long long)gs.h1 : 0ULL);
+    PyObject *out = Py_BuildValue("(OOs#)", PyTuple_GET_ITEM(s, 0), PyTuple_GET_ITEM(s, 1), hex, (Py_ssize_t)32);
+    Py_DECREF(s);
+    return out;
 }
 
 /* row_fingerprints2(ptr, rows, row_stride_bytes, run_bytes, starts, out_ptr): rows at ptr + r * row_stride, each
@@ -1187,6 +1314,9 @@ static PyMethodDef methods[] = {
      "lane-gsum128-v2, the local tensor's part of the global value's fingerprint"},
     {"fingerprint2_summary", py_fingerprint2_summary, METH_VARARGS,
      "fingerprint2_summary(the arguments of fingerprint2) -> (hex hash, stats dict, tuple or None)"},
+    {"fingerprint2_pair", py_fingerprint2_pair, METH_VARARGS,
+     "fingerprint2_pair(the arguments of fingerprint2) -> (hex hash, stats, hex partial): fingerprint2_summary of "
+     "the whole local tensor and the partial at gbase/gstrides, in one read"},
     {"row_fingerprints2", py_row_fingerprints2, METH_VARARGS,
      "row_fingerprints2(ptr, rows, row_stride_bytes, run_bytes, starts, out_ptr): row-gsum64-v2 per row"},
     {NULL, NULL, 0, NULL},

@@ -25,19 +25,9 @@ from divtrace.errors import DivtraceError
 from divtrace.record.routing import Routes, routed_gshape, routed_partial, row_hexes
 from divtrace.record.shard_rules import Lay, ruled_layouts
 from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes, strided_row_fingerprints
-from divtrace.trace.hashing.tensor import partial_hex, tensor_partial, to_hex
+from divtrace.record.partials import Partials, has_block, _readable  # noqa: F401 (_readable: tests)
+from divtrace.trace.hashing.tensor import tensor_partial, to_hex
 from divtrace.trace.layouts import Layout, LayoutWriter, Mesh
-
-
-def _readable(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or a contiguous copy where one is much faster to fingerprint: a transposed view (a weight block's `t()`,
-    innermost stride not 1), which the kernel reads column by column (lm_head's [512, 16000] block: 22 ms in
-    place, 7.5 ms copied and read). The fingerprint depends on the values at their positions only, so both give the
-    same partial; the copy lives until the partial is taken (up to 64 MiB: a bigger block is read in place rather
-    than doubled in memory)."""
-    if t.dim() >= 2 and t.stride(-1) != 1 and 1 << 14 <= t.numel() and t.numel() * t.element_size() <= 64 << 20:
-        return t.contiguous()
-    return t
 
 
 def _placement_code(p, ndim: int) -> str | None:
@@ -52,17 +42,12 @@ def _placement_code(p, ndim: int) -> str | None:
     return None  # _StridedShard and other placements: not unsharded (no layout)
 
 
-# (value fingerprint, dtype, local shape, global shape, offsets) -> hex partial of a parameter block or a view of
-# one (Placements._partial_key): the same weights come back every forward of every recording in a process
-_PARTIALS: dict[tuple, str] = {}
-
-
 class Placements:
     """The layouts of one rank's recording (one per Recorder inside a process group)."""
 
     def __init__(self, model, writer, warnings_out: list, declared=None, values=None):
         self.model = model
-        self.values = values  # the recording's ValueIdentity (values' fingerprints: _partial_key), or None
+        self.values = values  # the recording's ValueIdentity, or None
         self.declared = declared  # record/declared.Declared, or None
         self.warnings = warnings_out
         self.out = LayoutWriter(writer)  # (written with the trace's records: trace/side_files.py)
@@ -77,6 +62,7 @@ class Placements:
         self._styles: dict[int, tuple] = {}  # id(module) -> (kind, mesh id, in layout fn, out layout fn)
         self._style_lays: dict[tuple, Lay | None] = {}  # (style, mesh id, its layout, local shape) -> _style_lay's
         self._dtensor_lays: dict[tuple, Lay | None] = {}  # (id(mesh), shape, placements, local shape, src) -> layout
+        self.partials = Partials(values, writer, self.out)  # the blocks' partial fingerprints
         self.routes = Routes()  # routings declared by divtrace.routed (record/routing.py)
         self._routing: dict[int, object] = {}  # id(tensor about to be bound with a T layout) -> its Routing
         self._scan(model)
@@ -244,10 +230,18 @@ class Placements:
         if lay is not None:
             self.pending[id(plain)] = lay
 
+    def block_fp(self, t):
+        """(hex, stats) of op result `t`, about to get its value id (values.ValueIdentity.produced), where its
+        layout is a block and the C kernel reads it: taken from the same read as its partial
+        (record/partials.Partials.block_fp). None otherwise (the writer fingerprints `t`)."""
+        lay = self.pending.get(id(t))
+        return None if lay is None else self.partials.block_fp(t, lay)
+
     def after_value(self, plain, vid: int) -> None:
         lay = self.pending.pop(id(plain), None)
+        partial = self.partials.take_pair(plain, lay)  # (taken now whether it binds or not)
         if lay is not None and vid not in self.by_vid:
-            self._bind(plain, vid, lay)
+            self._bind(plain, vid, lay, partial)
         self.row_partials.discard(id(plain))
 
     def op_inputs(self, tensors_in, plain_in, vids) -> None:
@@ -265,6 +259,8 @@ class Placements:
                    collective_lays=None) -> None:
         """An op's results, before they get their value ids: their layouts (a DTensor result's placements, a
         collective's, else the rules'), pending until `bind_outputs`."""
+        if self.partials.pairs:  # (left by an op that failed before its results were bound: stale)
+            self.partials.pairs.clear()
         lays = [self.dtensor_lay(t) if t is not p else None for t, p in zip(outs, plain_out)]
         if collective_lays is not None:
             lays = [a or b for a, b in zip(lays, collective_lays)]
@@ -293,34 +289,19 @@ class Placements:
         return got
 
     # -- lines ----------------------------------------------------------------------------------------------
-    def _bind(self, t, vid: int, lay: Lay) -> None:
+    def _bind(self, t, vid: int, lay: Lay, partial: str | None = None) -> None:
+        """Bind value `vid` (tensor `t`) to layout `lay`, and queue its layout line; `partial`: its hex partial
+        when block_fp took it with its fingerprint."""
         self.by_vid[vid] = lay
-        partial = None
         routing = self._routing.pop(id(t), None) if lay.placements == ("T",) else None
         if routing is not None:
             self.out.add(Layout(vid, lay.mesh, ["T"], list(lay.gshape), list(lay.offsets), lay.src,
                                 to_hex(routed_partial(t, routing)), False, lay.why, routing.top_k, routing.table(),
                                 row_hexes(t)).to_json())
             return
-        if any(p[0] == "S" for p in lay.placements):
-            key = self._partial_key(t, vid, lay)
-            partial = _PARTIALS.get(key) if key is not None else None
+        if has_block(lay.placements):
             try:
-                if partial is None:
-                    x = _readable(t)
-                    dev = self.out.device
-                    if dev is not None and dev.takes(t):  # the device path: to the host with its batches
-                        partial = dev.batches.add(tensor_partial(x, lay.gshape, lay.offsets).reshape(-1))
-                    else:
-                        partial = partial_hex(x, lay.gshape, lay.offsets) if t.is_cpu else None
-                        if partial is None:
-                            partial = tensor_partial(x, lay.gshape, lay.offsets)
-                            if partial.device.type == "cpu":  # (else read to the host with the layouts' next flush)
-                                partial = to_hex(partial)
-                        if key is not None and type(partial) is str:
-                            if len(_PARTIALS) >= 4096:
-                                _PARTIALS.clear()
-                            _PARTIALS[key] = partial
+                partial = self.partials.of(t, vid, lay, partial)
             except Exception as e:  # a shape the layout does not fit: no layout rather than a wrong one
                 self._warn(f"a shard layout did not fit its tensor ({type(e).__name__}: {e}); recorded as the rank's own")
                 del self.by_vid[vid]
@@ -333,18 +314,6 @@ class Placements:
             rows = row_hexes(t)
         self.out.add(Layout(vid, lay.mesh, list(lay.placements), list(lay.gshape), list(lay.offsets), lay.src,
                             partial, id(t) in self.row_partials, lay.why, row_hashes=rows).to_json())
-
-    def _partial_key(self, t, vid: int, lay: Lay) -> tuple | None:
-        """The key under which `t`'s partial is kept (`_PARTIALS`), or None: a parameter's block, or a view of one,
-        whose fingerprint (taken from its bytes, or derived from its source's) this recording holds. The partial
-        is a function of the values at their positions, which the fingerprint, dtype and shape stand for, so a
-        weight met again (every forward, every recording) is not read again (nor its transposed block copied)."""
-        if self.values is None or self.out.device is not None:
-            return None
-        v = self.values.known(t, vid)
-        if v is None or type(v.hash) is not str or not (v.producer is None or v.derived):
-            return None  # (activations: new values every forward, never met again)
-        return (v.hash, v.dtype, tuple(t.shape), lay.gshape, lay.offsets)
 
     def add_line(self, line: dict) -> None:
         self.out.add(line)
@@ -390,7 +359,7 @@ def _block_row_bytes(t, lay: Lay, code: str) -> bytes | None:
 def _row_plan(shape, lay: Lay, code: str) -> tuple | None:
     """(global row dims, the block's offsets in them, number of token rows) where a value of `shape` with layout
     `lay` is cut along its row dims only (each token row a block of the global row), else None."""
-    if not any(p[0] == "S" for p in lay.placements):
+    if not has_block(lay.placements):
         return None
     nd = len(shape)
     token_dims = {"bt": (0, 1), "bht": (0, 2), "n": (0,)}.get(code)

@@ -89,6 +89,7 @@ def attach(recorder, info: RankInfo):
     pl.stack = recorder.calls.stack
     recorder.op_records.collectives = Collectives(pl, info.rank)
     recorder.token_rows.shard_rows = pl.shard_rows
+    recorder.values.block_fp = pl.block_fp  # (a block op result: its fingerprint and partial from one read)
     if pl.declared is not None and pl.declared.modules:
         recorder.token_rows.defer_rows = pl.defer_rows
     # The objects that exist when the block starts (the model, torch.distributed's and DTensor's machinery: some

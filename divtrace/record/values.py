@@ -169,6 +169,8 @@ class TensorTable:
 class ValueIdentity:
     """Value ids of the tensors one recording meets, and the versions they were seen at (one per Recorder)."""
 
+    block_fp = None  # a rank's Placements.block_fp: an op result's (hash, stats) taken with its partial, or None
+
     def __init__(self, mode: str, tokens, warnings_out: list):
         self.mode = mode  # "full" or "hash"
         self._tokens = tokens  # the recording's TokenRows: the grid of the root call in progress, row fingerprints
@@ -310,7 +312,7 @@ class ValueIdentity:
                 if v is not None and self._tokens.grid is not None:
                     alias = (e[0], src)
         if v is None:
-            v = self.writer.new_value(t, producer=producer)
+            v = self.writer.new_value(t, producer=producer, fp=self.block_fp(t) if self.block_fp is not None else None)
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
         if self._tokens.grid is not None:

@@ -27,10 +27,12 @@ except ImportError:  # built without a C compiler: the torch path computes the s
     _native = None
 if _native is not None and (sys.byteorder != "little" or not hasattr(_native, "fingerprint2")):
     _native = None  # (an extension built from an older _native.c lacks v2: torch until `setup.py build_ext` runs)
+_PAIR = hasattr(_native, "fingerprint2_pair")  # (not in an extension built before it: two reads)
 IMPLEMENTATION = "native" if _native is not None else "torch"  # how CPU tensors are hashed (meta.json hash_impl)
 
 __all__ = ["TENSOR_SCHEME", "tensor_fingerprint", "tensor_partial", "partial_hex", "combine", "to_hex", "hexes", "from_hex",
-           "combine_hex", "tensor_hash", "hash_with_stats", "partial_with_stats", "IMPLEMENTATION"]
+           "combine_hex", "tensor_hash", "hash_with_stats", "hash_and_partial", "reads_pairs", "global_runs", "partial_with_stats",
+           "IMPLEMENTATION"]
 ZERO_HASH = "0" * 32
 _PLACES: dict[tuple, tuple] = {}  # (local shape, global shape, offsets, itemsize) -> _place's answer
 
@@ -50,6 +52,13 @@ def _place(t: torch.Tensor, global_shape, offsets) -> tuple[Runs, int, tuple | N
             _PLACES.clear()
         _PLACES[key] = got
     return got
+
+
+def global_runs(t: torch.Tensor, global_shape, offsets) -> Runs:
+    """Where each element of `t` (in its logical order) lies in the value of `global_shape` it is the block at
+    `offsets` of (element units): with its dtype, what a partial depends on besides the values. Raises as
+    `tensor_partial` where the block does not fit."""
+    return _place(t, global_shape, offsets)[0]
 
 
 def _native_sums(t: torch.Tensor, where, stats: bool):
@@ -144,6 +153,28 @@ def hash_with_stats(t: torch.Tensor, stats: bool = True) -> tuple[str, dict | No
         return h, (finish_stats(t, st) if stats else None)
     h = to_hex(tensor_fingerprint(t))
     return h, (json_safe(summary_stats(t)) if stats else None)
+
+
+def reads_pairs(t: torch.Tensor) -> bool:
+    """Whether `hash_and_partial` takes `t`'s fingerprint and partial in one read (the C kernel reads it in place)."""
+    return _PAIR and _native is not None and native_eligible(t)
+
+
+def hash_and_partial(t: torch.Tensor, global_shape, offsets, stats: bool = True) -> tuple[str, dict | None, str]:
+    """(hex, stats) as `hash_with_stats(t, stats)`, and the hex of `t`'s partial as the block at `offsets` of a value
+    of `global_shape` (`to_hex(tensor_partial(t, global_shape, offsets))`): with the C kernel, from one read of
+    `t`'s bytes (each piece summed at its local and its global positions while it is in cache); elsewhere the two
+    separately. Raises as `tensor_partial` where the block does not fit."""
+    if not reads_pairs(t):
+        h, st = hash_with_stats(t, stats)
+        return h, st, to_hex(tensor_partial(t, global_shape, offsets))
+    runs, nbytes, where = _place(t, global_shape, offsets)
+    if t.numel() == 0:
+        return ZERO_HASH, ({} if stats else None), ZERO_HASH
+    gbase, gstrides = where if where is not None else (0, None)
+    kind = _STATS_KIND.get(t.dtype, 0) if stats else 0
+    h, st, p = _native.fingerprint2_pair(t.data_ptr(), t.element_size(), t.shape, t.stride(), gbase, gstrides, kind)
+    return h, (finish_stats(t, st) if stats else None), p
 
 
 def partial_with_stats(local: torch.Tensor, global_shape, offsets) -> tuple[torch.Tensor, dict]:
