@@ -261,7 +261,7 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: boo
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def rank_main(rank, world, model_dir, rounds, profile, ablate="", by_op=False):
+def rank_main(rank, world, model_dir, rounds, profile, ablate="", by_op=False, tp2_seq=0):
     import torch
     from transformers import LlamaForCausalLM
 
@@ -270,6 +270,8 @@ def rank_main(rank, world, model_dir, rounds, profile, ablate="", by_op=False):
     torch.set_num_threads(1)
     model = LlamaForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32).eval()
     _, ids = build(small=model.config.num_hidden_layers == 2)
+    if tp2_seq:  # (the same work per rank as one process at bench_record's sequence: twice its tokens at TP=2)
+        ids = torch.randint(0, model.config.vocab_size, (1, tp2_seq), generator=torch.Generator().manual_seed(1))
     out = _measure(model, ids, rounds, profile, ablate, by_op)  # (both ranks run the same forwards: collectives pair them)
     if rank:
         out.pop("profile", None)
@@ -285,6 +287,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-tp2", action="store_true")
     ap.add_argument("--by-op", action="store_true", help="diagnostics: on_op's CPU ms per forward by aten op "
                     "(exclusive of the op's own call), with call counts: [op, calls, ms, op's own ms]")
+    ap.add_argument("--tp2-seq", type=int, default=0, help="the ranks' sequence length (default: bench_record's, "
+                    "256); 512 gives a rank about the single process's work at 256")
     ap.add_argument("--ablate", default="", help="diagnostics: parts left out, comma-separated: layouts, tokens")
     args = ap.parse_args(argv)
     import torch
@@ -299,7 +303,7 @@ def main(argv=None) -> int:
         model_dir = tempfile.mkdtemp(prefix="divtrace-rank-ops-model-")
         model.save_pretrained(model_dir)
         try:
-            ranks = run_ranks(rank_main, 2, model_dir, args.rounds, args.profile, args.ablate, args.by_op, timeout_s=600, join_s=7200)
+            ranks = run_ranks(rank_main, 2, model_dir, args.rounds, args.profile, args.ablate, args.by_op, args.tp2_seq, timeout_s=600, join_s=7200)
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)
         for r, x in enumerate(ranks):

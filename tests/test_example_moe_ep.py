@@ -54,9 +54,18 @@ def _run(argv: list[str], cwd, env) -> subprocess.CompletedProcess:
     any other outcome is returned at once."""
     for _ in range(PORT_TRIES):
         p = subprocess.run(_argv(argv), cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-        if argv[0] != "torchrun" or p.returncode == 0 or not port_taken(p.stdout + p.stderr):
+        if argv[0] != "torchrun" or p.returncode == 0 or not (port_taken(p.stdout + p.stderr)
+                                                               or _aborted_at_exit(p.stdout + p.stderr)):
             break
     return p
+
+
+def _aborted_at_exit(output: str) -> bool:
+    """A known flake, left open (stop 38's note): now and then (3 of 84 runs here; 0 of 50 with the recording
+    left out) a rank aborts in teardown, after both ranks wrote their traces and printed so: "terminate called
+    without an active exception" from C++. Rerun only that: the traces of the rerun are checked like any."""
+    return "terminate called without an active exception" in output and all(
+        f"rank {r} of 2: recorded" in output for r in (0, 1))
 
 
 def _model(world: int, rank: int, plant):
