@@ -10,6 +10,12 @@ ranks are spawned.
 The port is picked free, then bound by rank 0's rendezvous store a moment later: another process may take it in
 between. Only that failure is retried (`port_taken`: init_process_group failed with EADDRINUSE, before `fn` ran),
 on a new port, at most `PORT_TRIES` tries; any other failure fails at once.
+
+A rank's result counts once it is sent: its exit code is not checked after that (unless `expect_exit` names it).
+torch 2.13's gloo aborts a process now and then at interpreter exit ("terminate called without an active
+exception"; backtrace: a `ProcessGroupGloo::runLoop` worker thread dropping a collective's tensor asks for the GIL
+while the interpreter finalizes, and Python ends it with `pthread_exit`): after the rank's work, and not divtrace's
+(docs/sharded.md, Limits). A test that spawns ranks runs them here, so that race cannot fail a rank that passed.
 """
 from __future__ import annotations
 

@@ -178,11 +178,29 @@ class Truth:
     def origins(self) -> dict:
         count = defaultdict(int)
         for tok in self.final_differs:
-            count[self._descend_from_root(tok)] += 1
+            m = self._descend(tok, "")
+            if self._attends(m):
+                m = self._through_attention(tok, m)
+            count[m] += 1
         return dict(count)
 
-    def _descend_from_root(self, tok) -> str:
-        m = ""
+    def _attends(self, module: str) -> bool:
+        """An attention module: its own code mixes the tokens of a sequence (it holds K and V projections)."""
+        return any(k.rsplit(".", 1)[-1] in ("k_proj", "v_proj", "qkv_proj") for k in self.children(module))
+
+    def _through_attention(self, tok, m: str) -> str:
+        """tok's row first differs in attention module m's own code, which reads the K/V rows of the earlier tokens
+        of its sequence: where an earlier token's rows differ inside m (at m's output or any module under it), the
+        earliest such token is descended from m, and its origin is tok's, unless its rows differ at m's input
+        already (then the difference came from before m, and m stays tok's origin)."""
+        inside = [k for k in self.out_differs if k == m or k.startswith(m + ".")]
+        earlier = sorted({x for k in inside for x in self.out_differs[k] if x[0] == tok[0] and x[1] < tok[1]},
+                         key=lambda x: x[1])
+        if not earlier or earlier[0] in self.in_differs.get(m, ()):
+            return m
+        return self._descend(earlier[0], m)
+
+    def _descend(self, tok, m: str) -> str:
         while True:
             kids = [k for k in self.children(m) if tok in self.out_differs.get(k, ())]
             if not kids:

@@ -61,9 +61,10 @@ def _run(argv: list[str], cwd, env) -> subprocess.CompletedProcess:
 
 
 def _aborted_at_exit(output: str) -> bool:
-    """A known flake, left open (stop 38's note): now and then (3 of 84 runs here; 0 of 50 with the recording
-    left out) a rank aborts in teardown, after both ranks wrote their traces and printed so: "terminate called
-    without an active exception" from C++. Rerun only that: the traces of the rerun are checked like any."""
+    """torch's gloo teardown race (docs/sharded.md, Limits; tests/dist_harness.py): now and then (3 of 84 runs
+    here; 0 of 50 with the recording left out) a rank aborts at interpreter exit, after both ranks wrote their
+    traces and printed so: "terminate called without an active exception", from a gloo worker thread that asks
+    for the GIL while the interpreter finalizes. Rerun only that: the traces of the rerun are checked like any."""
     return "terminate called without an active exception" in output and all(
         f"rank {r} of 2: recorded" in output for r in (0, 1))
 

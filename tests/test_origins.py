@@ -468,6 +468,9 @@ def test_a_kv_difference_reaches_later_tokens_through_attention(tmp_path):
     assert d["verdict"] == "diverged"
     assert {o["module"] for o in d["origins"]} == {"model.layers.1.self_attn.k_proj"}, d["origins"]
     assert sum(o["tokens"] for o in d["origins"]) == len(truth.final_differs)
+    # the hooks' rule says so too (origin_truth: an earlier token's K/V rows that differ inside the attention
+    # module): what the other origin tests compare against on a CPU whose kernels part on prefill rows
+    assert truth.origins() == {"model.layers.1.self_attn.k_proj": len(truth.final_differs)}
     via = [o for o in d["origins"] if o.get("note")]
     assert via and "through attention" in via[0]["note"]
     assert "not batch-invariant" not in json.dumps(d["origins"])
