@@ -57,8 +57,9 @@ def _lines(trace):
     return {d["v"]: d for d in lays if "v" in d}, [r for r in recs if r.get("k") == "o"]
 
 
-def _partials(trace) -> dict:
-    """param name -> [partial of its block, partials of the transposes of it (or of an alias of it)]."""
+def _partials(trace, views=None) -> dict:
+    """param name -> [partial of its block, partials of the transposes of it (or of an alias of it)]; `views`, if
+    given, gets param name -> the partials of its aliases (to_local's views, whose partial is the block's)."""
     lays, ops = _lines(trace)
     name_of = {v: d["why"] for v, d in lays.items() if d["src"] == "param"}
     out = {n: [lays[v]["h"]] for v, n in name_of.items()}
@@ -71,6 +72,8 @@ def _partials(trace) -> dict:
                     out[name].append(lays[r["out"][0]]["h"])
             else:
                 name_of[r["out"][0]] = name
+                if views is not None and "h" in lays.get(r["out"][0], {}):
+                    views.setdefault(name, []).append(lays[r["out"][0]]["h"])
     return out
 
 
@@ -79,7 +82,12 @@ def test_weight_partials_met_again_are_those_of_the_bytes_as_they_are(tmp_path):
     truths = run_ranks(_worker, 2, model, str(tmp_path))
     for rank, truth in enumerate(truths):
         a = _partials(str(tmp_path / "a" / f"rank-{rank}"))
-        b = _partials(str(tmp_path / "b" / f"rank-{rank}"))
+        views: dict = {}
+        b = _partials(str(tmp_path / "b" / f"rank-{rank}"), views)
+        # (an alias of a kept block takes the block's partial within the recording: that of the bytes as they are)
+        assert CHANGED in views and len(views) >= 14
+        for name, hs in views.items():
+            assert all(h == truth[name][0] for h in hs), name
         assert CHANGED in b and set(b) <= set(truth) and sum(len(v) > 1 for v in b.values()) >= 14  # (7 Linears a layer)
         for name, got in b.items():
             assert got[0] == truth[name][0], name

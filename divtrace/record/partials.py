@@ -85,7 +85,11 @@ class Partials:
                 _bounded_put(self.by_content, ckey, partial)
             return partial
         partial = _PARTIALS.get(key) if key is not None else None
-        if partial is None and ckey is not None:
+        if partial is not None:
+            if ckey is not None:  # (a weight block kept from an earlier recording: for its views of this one, such
+                _bounded_put(self.by_content, ckey, partial)  # as HF's `to_local` view, else read again each forward)
+            return partial
+        if ckey is not None:
             partial = self.by_content.get(ckey)
         if partial is not None:
             return partial
