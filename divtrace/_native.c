@@ -1241,16 +1241,20 @@ static PyObject *py_fingerprint2_pair(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* row_fingerprints2(ptr, rows, row_stride_bytes, run_bytes, starts, out_ptr): rows at ptr + r * row_stride, each
-   holding len(starts) / 8 runs of run_bytes contiguous bytes, run k at byte starts[k] (int64, native order) of the
-   global row. out_ptr 0: returns the fingerprints as bytes (rows little-endian uint64, what rows.bin holds); else
-   writes rows uint64 there and returns None. */
+/* row_fingerprints2(ptr, rows, row_stride_bytes, run_bytes, starts, out_ptr[, run_stride_bytes]): rows at ptr + r *
+   row_stride, each holding len(starts) / 8 runs of run_bytes contiguous bytes, run k at byte starts[k] (int64, native
+   order) of the global row and at ptr + r * row_stride + k * run_stride in memory (run_stride: run_bytes when left
+   out or negative, the runs back to back; a [B, H, T, d] block of local heads read in place gives each head's d
+   elements as a run, one head's stride apart). out_ptr 0: returns the fingerprints as bytes (rows little-endian
+   uint64, what rows.bin holds); else writes rows uint64 there and returns None. */
 static PyObject *py_row_fingerprints2(PyObject *self, PyObject *args) {
     unsigned long long ptr, optr;
-    Py_ssize_t rows, stride, run_bytes;
+    Py_ssize_t rows, stride, run_bytes, run_stride = -1;
     Py_buffer starts;
-    if (!PyArg_ParseTuple(args, "Knnny*K", &ptr, &rows, &stride, &run_bytes, &starts, &optr))
+    if (!PyArg_ParseTuple(args, "Knnny*K|n", &ptr, &rows, &stride, &run_bytes, &starts, &optr, &run_stride))
         return NULL;
+    if (run_stride < 0)
+        run_stride = run_bytes;
     Py_ssize_t runs = starts.len / 8;
     const int64_t *g = (const int64_t *)starts.buf;
     int bad = rows < 0 || run_bytes < 0 || starts.len % 8;
@@ -1275,7 +1279,7 @@ static PyObject *py_row_fingerprints2(PyObject *self, PyObject *args) {
     for (Py_ssize_t r = 0; r < rows; r++) {
         uint64_t h = 0;
         for (Py_ssize_t k = 0; k < runs; k++)
-            h += row_segment(base + r * stride + k * run_bytes, (size_t)run_bytes, (uint64_t)g[k]);
+            h += row_segment(base + r * stride + k * run_stride, (size_t)run_bytes, (uint64_t)g[k]);
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
         if (res)
             h = __builtin_bswap64(h);
@@ -1318,7 +1322,8 @@ static PyMethodDef methods[] = {
      "fingerprint2_pair(the arguments of fingerprint2) -> (hex hash, stats, hex partial): fingerprint2_summary of "
      "the whole local tensor and the partial at gbase/gstrides, in one read"},
     {"row_fingerprints2", py_row_fingerprints2, METH_VARARGS,
-     "row_fingerprints2(ptr, rows, row_stride_bytes, run_bytes, starts, out_ptr): row-gsum64-v2 per row"},
+     "row_fingerprints2(ptr, rows, row_stride_bytes, run_bytes, starts, out_ptr[, run_stride_bytes]): row-gsum64-v2 "
+     "per row"},
     {NULL, NULL, 0, NULL},
 };
 

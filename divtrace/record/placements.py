@@ -24,7 +24,8 @@ import torch
 from divtrace.errors import DivtraceError
 from divtrace.record.routing import Routes, routed_gshape, routed_partial, row_hexes
 from divtrace.record.shard_rules import Lay, ruled_layouts
-from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes, strided_row_fingerprints
+from divtrace.trace.hashing.rows import (heads_row_fingerprints, row_fingerprints, rows_bytes,
+                                         strided_row_fingerprints)
 from divtrace.record.partials import Partials, has_block, _readable  # noqa: F401 (_readable: tests)
 from divtrace.trace.hashing.tensor import tensor_partial, to_hex
 from divtrace.trace.layouts import Layout, LayoutWriter, Mesh
@@ -342,8 +343,10 @@ def _block_row_bytes(t, lay: Lay, code: str) -> bytes | None:
         got = strided_row_fingerprints(t, code, n_rows, g, o)
         if got is not None:
             return got
-        if code == "bht":  # rows not in place ([B, H, T, d] of local heads): one copy in [B, T, H, d] order
-            got = strided_row_fingerprints(t.transpose(1, 2).contiguous(), "bt", n_rows, g, o)
+        if code == "bht":  # rows not in place ([B, H, T, d] of local heads): each head's part read in place, else
+            got = heads_row_fingerprints(t, n_rows, g, o)  # (where the kernel cannot) one copy in [B, T, H, d] order
+            if got is None:
+                got = strided_row_fingerprints(t.transpose(1, 2).contiguous(), "bt", n_rows, g, o)
             if got is not None:
                 return got
     if code == "bht":

@@ -155,8 +155,8 @@ class TokenRows:
             rows = token_layout.row_count(code, g.shape)
             plan = self._plans[key] = (rows, hashing_rows.row_layout(t, code, rows))
         rows, got = plan
-        if got is None:
-            return None
+        if got is None:  # ([B, H, T, d] stored heads first: each head's part read in place, no [B, T, H, d] copy)
+            return hashing_rows.heads_row_fingerprints(t, rows) if code == "bht" else None
         return native.row_fingerprints2(t.data_ptr(), rows, got[0], got[1], _FIRST_BYTE, 0)
 
     def observe_positions(self, t: torch.Tensor) -> None:

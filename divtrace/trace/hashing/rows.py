@@ -28,6 +28,19 @@ except ImportError:  # built without a C compiler: torch ops compute the same nu
 if _native is not None and (sys.byteorder != "little" or not hasattr(_native, "row_fingerprints2")):
     _native = None
 
+
+def _takes_run_stride() -> bool:
+    """Whether the extension's row_fingerprints2 takes a run stride (not one built before it): asked with no rows."""
+    try:
+        _native.row_fingerprints2(0, 0, 0, 0, b"", 0, 0)
+    except TypeError:
+        return False
+    return True
+
+
+_RUN_STRIDE = _native is not None and _takes_run_stride()
+_HEADS: dict[tuple, tuple | None] = {}  # heads_row_fingerprints' plans, by (shape, stride, itemsize, rows, row block)
+
 __all__ = ["ROW_SCHEME", "row_fingerprints", "strided_row_fingerprints", "combine_rows", "rows_bytes",
            "combine_rows_bytes", "row_dims"]
 _STARTS: dict[tuple, tuple[Runs, bytes]] = {}
@@ -105,6 +118,68 @@ def strided_row_fingerprints(x: torch.Tensor, code: str, rows: int, row_shape=No
     if rows == 0 or runs.run == 0:
         return bytes(8 * rows)
     return _native.row_fingerprints2(x.data_ptr(), rows, got[0], runs.run * x.element_size(), starts, 0)
+
+
+def heads_row_fingerprints(x: torch.Tensor, rows: int, row_shape=None, row_offsets=None) -> bytes | None:
+    """strided_row_fingerprints(x, "bht", ...) of a [B, H, T, *d] tensor whose rows are not in place (a block of local
+    heads, or all heads, stored heads first): each head's trailing elements a run, read in place one head's stride
+    apart, so no [B, T, H, d] copy is made. The runs of the row's block (`row_dims`' order, heads outermost) are cut at
+    the heads into runs of one head each, at their global byte starts: the row's sum is the same (each lane weighted
+    by its global place). None where the kernel does not read `x` so (the caller copies)."""
+    if not _RUN_STRIDE or x.is_quantized or not x.is_cpu or x.layout != torch.strided or x.is_conj() or x.is_neg() \
+            or x.dim() < 3:
+        return None
+    shape, stride, es = x.shape, x.stride(), x.element_size()
+    key = (shape, stride, es, rows, None if row_shape is None else tuple(row_shape),
+           None if row_offsets is None else tuple(row_offsets))
+    plan = _HEADS.get(key, False)
+    if plan is False:  # (a function of the layout only: every layer repeats a few)
+        plan = _heads_plan(shape, stride, es, rows, row_shape, row_offsets)
+        if len(_HEADS) >= 4096:
+            _HEADS.clear()
+        _HEADS[key] = plan
+    if plan is None:
+        return None
+    step, head_bytes, starts, head_step, batch_step = plan
+    if not rows or not head_bytes:
+        return bytes(8 * rows)
+    ptr = x.data_ptr()
+    if batch_step is None:  # (one step between all rows)
+        return _native.row_fingerprints2(ptr, rows, step, head_bytes, starts, 0, head_step)
+    t = shape[2]  # (each batch's tokens at one step, the batches apart: one call per batch, rows in order)
+    return b"".join(_native.row_fingerprints2(ptr + i * batch_step, t, step, head_bytes, starts, 0, head_step)
+                    for i in range(shape[0]))
+
+
+def _heads_plan(shape, stride, es: int, rows: int, row_shape, row_offsets) -> tuple | None:
+    """(row step, bytes of a head's run, global byte starts of the heads' runs, head step, batch step or None where
+    all rows are one step apart) in bytes, or None."""
+    b, h, t = shape[0], shape[1], shape[2]
+    if rows != b * t:
+        return None
+    elems = 1
+    for d in range(len(shape) - 1, 2, -1):  # a head's own elements: row-major without gaps
+        if shape[d] != 1:
+            if stride[d] != elems:
+                return None
+            elems *= shape[d]
+    batch_step = None
+    if t == 1:
+        step = stride[0]
+    elif b == 1 or stride[0] == stride[2] * t:
+        step = stride[2]
+    else:
+        step, batch_step = stride[2], stride[0] * es
+    runs, starts = _runs(row_dims(shape, "bht"), row_shape, row_offsets, es)
+    head_bytes = elems * es
+    if rows == 0 or runs.run == 0 or head_bytes == 0:
+        return step * es, 0, b"", 0, None
+    run_bytes = runs.run * es
+    if run_bytes % head_bytes or runs.n_runs * run_bytes != h * head_bytes:
+        return None  # (a block cut inside a head's elements)
+    per = run_bytes // head_bytes
+    heads = array("q", [s + j * head_bytes for s in array("q", starts) for j in range(per)])
+    return step * es, head_bytes, heads.tobytes(), stride[1] * es, batch_step
 
 
 def combine_rows(partials) -> torch.Tensor:
