@@ -24,8 +24,9 @@ import torch
 from divtrace.errors import DivtraceError
 from divtrace.record.routing import Routes, routed_gshape, routed_partial, row_hexes
 from divtrace.record.shard_rules import Lay, ruled_layouts
-from divtrace.trace.hashing.rows import (heads_row_fingerprints, row_fingerprints, rows_bytes,
+from divtrace.trace.hashing.rows import (heads_row_fingerprints, row_fingerprints, row_runs, rows_bytes,
                                          strided_row_fingerprints)
+from divtrace.trace.hashing.rows import row_dims as hashing_row_dims
 from divtrace.record.partials import Partials, has_block, _readable  # noqa: F401 (_readable: tests)
 from divtrace.trace.hashing.tensor import tensor_partial, to_hex
 from divtrace.trace.layouts import Layout, LayoutWriter, Mesh
@@ -56,6 +57,7 @@ class Placements:
         self.pending: dict[int, Lay] = {}  # id(tensor about to get a vid) -> its layout
         self.stack: list = []  # the module calls' frames (module_calls), set by ranks.attach
         self.row_partials: set[int] = set()  # ids of tensors whose rows were fingerprinted as partials
+        self.kept_rows: dict[int, tuple] = {}  # vid -> (where its rows' bytes lie in the global rows, rows.bin bytes)
         self._meshes: dict = {}  # key -> Mesh
         self._mesh_of: dict[int, int] = {}  # id(DeviceMesh) -> mesh id
         self._params: dict[tuple, Lay] = {}  # storage key of a DTensor parameter's local tensor -> its layout
@@ -280,11 +282,12 @@ class Placements:
         for p, vid in zip(plain_out, out_vids):
             self.after_value(p, vid)
 
-    def shard_rows(self, t, code: str) -> bytes | None:
-        """rows.bin's bytes for the token rows of `t` (layout `code`) when `t` is a block of a global value cut along
-        its row dims only: each row's partial of the global row. None otherwise (its rows are whole)."""
+    def shard_rows(self, t, code: str, vid: int | None = None, same_as: int | None = None) -> bytes | None:
+        """rows.bin's bytes for the token rows of `t` (layout `code`, value `vid`) when `t` is a block of a global value
+        cut along its row dims only: each row's partial of the global row. None otherwise (its rows are whole).
+        `same_as`: a value whose rows hold `t`'s bytes row by row (a reshape of it: token_layout.same_rows)."""
         lay = self.pending.get(id(t))
-        got = None if lay is None else _block_row_bytes(t, lay, code)
+        got = None if lay is None else _block_row_bytes(t, lay, code, self.kept_rows, vid, same_as)
         if got is not None:
             self.row_partials.add(id(t))
         return got
@@ -324,21 +327,38 @@ class Placements:
             self.warnings.append(msg)
 
 
-_ROW_PLANS: dict[tuple, tuple | None] = {}  # (code, layout, shape) -> _row_plan's answer
+_ROW_PLANS: dict[tuple, tuple | None] = {}  # (code, layout, shape, dtype) -> _row_plan's answer
 
 
-def _block_row_bytes(t, lay: Lay, code: str) -> bytes | None:
-    """`Placements.shard_rows` for a value with layout `lay`: the partials of its token rows, or None."""
-    key = (code, lay, t.shape)
+def _block_row_bytes(t, lay: Lay, code: str, kept: dict | None = None, vid: int | None = None,
+                     same_as: int | None = None) -> bytes | None:
+    """`Placements.shard_rows` for a value with layout `lay`: the partials of its token rows, or None. `kept` (vid ->
+    (where the rows' bytes lie in the global rows, their partials)) takes value `vid`'s, and gives `same_as`'s
+    where its rows' bytes lie where `t`'s do: the same bytes at the same global places, so the same partials (a
+    reshape of a block, such as a matmul's [B*T, N] result viewed as [B, T, N], is not read again)."""
+    key = (code, lay, t.shape, t.dtype)
     plan = _ROW_PLANS.get(key, False)
     if plan is False:  # (a function of the layout and the shape: every layer's values repeat a few)
-        plan = _row_plan(t.shape, lay, code)
+        plan = _row_plan(t.shape, lay, code, t.element_size())
         if len(_ROW_PLANS) >= 4096:
             _ROW_PLANS.clear()
         _ROW_PLANS[key] = plan
     if plan is None:
         return None
-    g, o, n_rows = plan
+    if kept is None:
+        return _plan_row_bytes(t, code, plan)
+    where = plan[3]
+    got = kept.get(same_as) if same_as is not None else None
+    got = got[1] if got is not None and where is not None and got[0] == where else _plan_row_bytes(t, code, plan)
+    if vid is not None and got is not None and where is not None:
+        if len(kept) >= 512:  # (a value's reshapes come right after it: older ones are seldom asked for)
+            kept.clear()
+        kept[vid] = (where, got)
+    return got
+
+
+def _plan_row_bytes(t, code: str, plan: tuple) -> bytes | None:
+    g, o, n_rows, _ = plan
     if t.is_cpu:  # read in place by the C kernel (same bytes as below, no torch ops: these run inside the mode)
         got = strided_row_fingerprints(t, code, n_rows, g, o)
         if got is not None:
@@ -359,9 +379,10 @@ def _block_row_bytes(t, lay: Lay, code: str) -> bytes | None:
     return rows_bytes(row_fingerprints(rows, g, o))
 
 
-def _row_plan(shape, lay: Lay, code: str) -> tuple | None:
-    """(global row dims, the block's offsets in them, number of token rows) where a value of `shape` with layout
-    `lay` is cut along its row dims only (each token row a block of the global row), else None."""
+def _row_plan(shape, lay: Lay, code: str, itemsize: int) -> tuple | None:
+    """(global row dims, the block's offsets in them, number of token rows, where a row's bytes lie in the global
+    row: (run bytes, global byte starts)) where a value of `shape` with layout `lay` is cut along its row dims only
+    (each token row a block of the global row), else None."""
     if not has_block(lay.placements):
         return None
     nd = len(shape)
@@ -371,8 +392,13 @@ def _row_plan(shape, lay: Lay, code: str) -> tuple | None:
     if any(lay.gshape[d] != shape[d] or lay.offsets[d] for d in token_dims):
         return None
     row_dims = [d for d in range(nd) if d not in token_dims]
-    return ([lay.gshape[d] for d in row_dims], [lay.offsets[d] for d in row_dims],
-            shape[0] * (shape[token_dims[1]] if code != "n" else 1))
+    g, o = [lay.gshape[d] for d in row_dims], [lay.offsets[d] for d in row_dims]
+    try:
+        runs, starts = row_runs(hashing_row_dims(shape, code), g, o, itemsize)
+        where = (runs.run * itemsize, starts)
+    except Exception:  # (a block that does not fit its layout: said where its rows are read)
+        where = None
+    return g, o, shape[0] * (shape[token_dims[1]] if code != "n" else 1), where
 
 
 def _dtensor_layout(t, mesh, shape: tuple, src: str, mesh_id, warn) -> Lay | None:

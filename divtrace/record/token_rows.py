@@ -121,7 +121,12 @@ class TokenRows:
             self.store.add_rows(vid, g.call_id, code, None)
             return
         if self.shard_rows is not None:
-            hashes = self.shard_rows(t, code)
+            same = None  # (a value whose rows hold these bytes row by row: its partials may serve, placements says)
+            if alias is not None:
+                ref = self.store.current.get(alias[0])
+                if ref is not None and token_layout.same_rows(ref[0], code, alias[1], t, g.shape):
+                    same = alias[0]
+            hashes = self.shard_rows(t, code, vid, same)
             if hashes is not None:
                 self.store.add_rows(vid, g.call_id, code, hashes)
                 return

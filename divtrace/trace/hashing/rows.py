@@ -66,6 +66,12 @@ def _runs(local_dims, row_shape, row_offsets, itemsize: int) -> tuple[Runs, byte
     return got
 
 
+def row_runs(local_dims, row_shape, row_offsets, itemsize: int) -> tuple[Runs, bytes]:
+    """(the runs of a row's local block `local_dims` in the global row `row_shape` at `row_offsets`, their global
+    byte starts as int64 bytes): kept per arguments. Raises where the block does not fit."""
+    return _runs(local_dims, row_shape, row_offsets, itemsize)
+
+
 def row_fingerprints(rows: torch.Tensor, row_shape=None, row_offsets=None) -> torch.Tensor:
     """int64 [R] on `rows`' device: the fingerprint of each row of `rows` ([R, *row dims], any layout), or with
     `row_shape` (the global row dims) and `row_offsets`, each row's partial for the block it holds. `combine_rows`
