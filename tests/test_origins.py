@@ -312,6 +312,47 @@ def test_each_engine_cause_is_found_at_its_module(tmp_path, cause, module):
     assert d["verdict"] == "diverged"
     assert d["first"]["module"] == module, d["first"]
     assert d["final"]["tokens_compared"] == 8
+    if cause == "rope_fp64" and d["first"]["inputs_compared"] != "all":
+        # the people's output says so too: never "inputs bitwise equal" where some were not compared (regression:
+        # said of vLLM's fused add + norm, whose inputs HF's add has no counterpart for)
+        rc, out, err = _cli("bisect", train.path, eng.path, "--map", ENGINE_MAP)
+        assert rc == 1, err
+        assert "inputs bitwise equal" not in out and "inputs not compared" in out, out
+
+
+def test_a_linear_that_writes_into_a_view_of_its_output_buffer_is_compared(tmp_path):
+    """vLLM's CPU linears (`_C.weight_packed_linear` on AVX-512 machines) write into a reshape of an empty buffer and
+    return the buffer, which an op reads before the module returns it. Regression: that buffer, read back changed,
+    got no token rows, so the linear's output was never compared and bisect (vLLM against HF, bf16) named the next
+    op with no counterpart, HF's residual add, "inputs bitwise equal", for the tokens whose RoPE differed. Here the
+    rollout's down projections do the same, and layer 0's scales its output (planted): the hooks' origins are
+    bisect's, and every input of the parting op was compared."""
+    ps = tc.prompts()
+    m_roll, m_train = oc.llama(), oc.llama()  # (the same seed: the same weights)
+
+    def into_buffer(lin, plant):
+        def forward(x):
+            y = torch.nn.functional.linear(x, lin.weight, lin.bias)
+            if plant:
+                y = y * (1 + 2 ** -6)
+            buf = torch.empty_like(y)
+            buf.view(-1, y.shape[-1]).copy_(y.reshape(-1, y.shape[-1]))  # written through a view of the buffer
+            buf.detach()  # an op reads the buffer before the module returns it
+            return buf
+        return forward
+
+    for i, layer in enumerate(m_roll.model.layers):
+        layer.mlp.down_proj.forward = into_buffer(layer.mlp.down_proj, plant=i == 0)
+    roll = oc.rollout(m_roll, tmp_path / "roll", ps, mode="hash")
+    train = oc.trainer(m_train, tmp_path / "train", roll.seqs, mode="hash")
+    truth = oc.truth(train, roll)
+    expected = truth.origins()
+    # (other origins may come with it: this CPU's matmuls may part on the rollout's batch sizes)
+    assert truth.final_differs and "model.layers.0.mlp.down_proj" in expected, expected
+    d = divtrace.bisect(train.path, roll.path).to_dict()
+    assert d["verdict"] == "diverged"
+    assert {o["module"]: o["tokens"] for o in d["origins"]} == expected, d["origins"]
+    assert all(o["inputs_compared"] == "all" for o in d["origins"]), [(o["module"], o["op"], o.get("op_b"), o["inputs_compared"]) for o in d["origins"]]
 
 
 def test_lm_head_on_the_last_rows_only_without_a_declaration_is_not_identical(tmp_path):

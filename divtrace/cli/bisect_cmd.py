@@ -48,10 +48,10 @@ def render_bisect(o: Output, r) -> None:
                 ["op", f"a: {f['op'] or '-'} (record {f['index']})   b: {f['op_b'] or '-'}"
                  + (f" (record {f['index_b']})" if f["index_b"] is not None else "")
                  if not (f.get("shards") or {}).get("op") else _routed_op_line(f["shards"]["op"])],
-                ["cause", f["cause"] + ("  (inputs already differ; could not go further)" if f["cause"] != "origin"
-                                        else "  (an input no recorded op made differs; see below)"
-                                        if f["outside_input"] else "  (inputs bitwise equal, output differs)")],
+                ["cause", f["cause"] + _cause_words(f)],
                 ["tensor", f"{f['tensor']}  {f['dtype']} {f['shape']}"]]
+        if f.get("inputs_compared") not in (None, "all"):
+            rows.append(["inputs not compared", "; ".join(f["inputs_compared"])])
         if f["reason"]:
             rows.append(["differs in", f["reason"]])
         if f["outside_input"]:
@@ -194,3 +194,15 @@ def _routed_op_line(x: dict) -> str:
     """The op that computed the first differing routed row, on its rank (docs/sharded.md, "Routed rows")."""
     return (f"a: {x['op_a']} (record {x['index_a']} on rank {x['rank_a']})   b: {x['op_b']} (record {x['index_b']} on "
             f"rank {x['rank_b']})")
+
+
+def _cause_words(f: dict) -> str:
+    """What the cause rests on. "inputs bitwise equal" only where every input of the parting op was compared
+    (token alignment lists those it could not compare: a fused op with no counterpart, a decode step's KV cache)."""
+    if f["cause"] != "origin":
+        return "  (inputs already differ; could not go further)"
+    if f["outside_input"]:
+        return "  (an input no recorded op made differs; see below)"
+    if f.get("inputs_compared") not in (None, "all"):
+        return "  (output differs; not every input could be compared: see below)"
+    return "  (inputs bitwise equal, output differs)"

@@ -244,7 +244,10 @@ class ValueIdentity:
         v = self.writer.new_value(t, producer=None, fp=fp)
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
-        if boundary and self._tokens.grid is not None:  # (op inputs from outside are parameters and buffers: no rows)
+        if self._tokens.grid is not None and (boundary or _had_rows(self._tokens, entry)):
+            # (op inputs from outside are parameters and buffers: no rows. A value with rows that an op rewrote
+            # through a view (vLLM's linears write into an empty buffer's reshape, and the buffer is the module's
+            # output) keeps rows: else its module output has none and is never compared)
             self._tokens.rows(v.vid, t, root_output)
         if unsettled and entry[1] == version:  # changed, and no torch op wrote it: it may be again
             self._unsettled.add(v.vid)
@@ -269,7 +272,7 @@ class ValueIdentity:
             settled = True
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
-        if boundary and tokens.grid is not None:
+        if tokens.grid is not None and (boundary or _had_rows(tokens, entry)):
             tokens.rows(v.vid, t, root_output)
         # Unsettled stays unsettled (when the bytes turn out old's, the old value was too: re-read all the same).
         if raw or (unsettled and not settled):
@@ -417,3 +420,8 @@ class ValueIdentity:
             self.warnings.append(msg)
             warnings.warn(f"divtrace: {msg}", stacklevel=4)
         return None
+
+
+def _had_rows(tokens, entry) -> bool:
+    """Whether the tensor's value before this one (`entry` of the table, or None: never seen) had token rows."""
+    return entry is not None and entry[0] in tokens.rowed and entry[0] not in tokens.unrowed
