@@ -19,6 +19,7 @@ import torch
 
 from divtrace.trace.hashing.tensor import (global_runs, hash_and_partial, partial_hex, reads_pairs, tensor_partial,
                                            to_hex)
+from divtrace.trace.memo import bounded_put
 
 # (value fingerprint, dtype, local shape, global shape, offsets) -> hex partial of a parameter block or a view of
 # one (Partials.keys): the same weights come back every forward of every recording in a process
@@ -38,12 +39,6 @@ def _readable(t: torch.Tensor) -> torch.Tensor:
     if t.dim() >= 2 and t.stride(-1) != 1 and 1 << 14 <= t.numel() and t.numel() * t.element_size() <= 64 << 20:
         return t.contiguous()
     return t
-
-
-def _bounded_put(d: dict, key, value) -> None:
-    if len(d) >= 4096:
-        d.clear()
-    d[key] = value
 
 
 class Partials:
@@ -82,12 +77,12 @@ class Partials:
         key, ckey = self.keys(t, vid, lay)
         if partial is not None:
             if ckey is not None:  # (for the views of `t` that come next)
-                _bounded_put(self.by_content, ckey, partial)
+                bounded_put(self.by_content, ckey, partial)
             return partial
         partial = _PARTIALS.get(key) if key is not None else None
         if partial is not None:
             if ckey is not None:  # (a weight block kept from an earlier recording: for its views of this one, such
-                _bounded_put(self.by_content, ckey, partial)  # as HF's `to_local` view, else read again each forward)
+                bounded_put(self.by_content, ckey, partial)  # as HF's `to_local` view, else read again each forward)
             return partial
         if ckey is not None:
             partial = self.by_content.get(ckey)
@@ -104,9 +99,9 @@ class Partials:
                 partial = to_hex(partial)
         if type(partial) is str:
             if key is not None:
-                _bounded_put(_PARTIALS, key, partial)
+                bounded_put(_PARTIALS, key, partial)
             if ckey is not None:
-                _bounded_put(self.by_content, ckey, partial)
+                bounded_put(self.by_content, ckey, partial)
         return partial
 
     def keys(self, t, vid: int, lay) -> tuple:

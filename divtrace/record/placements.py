@@ -30,6 +30,7 @@ from divtrace.trace.hashing.rows import row_dims as hashing_row_dims
 from divtrace.record.partials import Partials, has_block, _readable  # noqa: F401 (_readable: tests)
 from divtrace.trace.hashing.tensor import tensor_partial, to_hex
 from divtrace.trace.layouts import Layout, LayoutWriter, Mesh
+from divtrace.trace.memo import bounded_put
 
 
 def _placement_code(p, ndim: int) -> str | None:
@@ -340,9 +341,7 @@ def _block_row_bytes(t, lay: Lay, code: str, kept: dict | None = None, vid: int 
     plan = _ROW_PLANS.get(key, False)
     if plan is False:  # (a function of the layout and the shape: every layer's values repeat a few)
         plan = _row_plan(t.shape, lay, code, t.element_size())
-        if len(_ROW_PLANS) >= 4096:
-            _ROW_PLANS.clear()
-        _ROW_PLANS[key] = plan
+        bounded_put(_ROW_PLANS, key, plan)
     if plan is None:
         return None
     if kept is None:
@@ -351,9 +350,8 @@ def _block_row_bytes(t, lay: Lay, code: str, kept: dict | None = None, vid: int 
     got = kept.get(same_as) if same_as is not None else None
     got = got[1] if got is not None and where is not None and got[0] == where else _plan_row_bytes(t, code, plan)
     if vid is not None and got is not None and where is not None:
-        if len(kept) >= 512:  # (a value's reshapes come right after it: older ones are seldom asked for)
-            kept.clear()
-        kept[vid] = (where, got)
+        # (a value's reshapes come right after it: older ones are seldom asked for)
+        bounded_put(kept, vid, (where, got), limit=512)
     return got
 
 

@@ -21,6 +21,8 @@ from math import prod
 import torch
 from typing import NamedTuple
 
+from divtrace.trace.memo import bounded_put
+
 
 class Lay(NamedTuple):
     """A value's layout on this rank: mesh id, placement per mesh dim ("S<d>", "R", "P"), global shape and this
@@ -227,9 +229,7 @@ def propagate(name: str, pointwise: bool, args, items: dict, out_shapes: list) -
         return list(got)
     got = _propagate(name, pointwise, args, items, out_shapes)
     if key is not None:
-        if len(_MEMO) >= 4096:
-            _MEMO.clear()
-        _MEMO[key] = tuple(got)
+        bounded_put(_MEMO, key, tuple(got))
     return got
 
 
@@ -412,9 +412,7 @@ def ruled_layouts(func, name: str, args, ins: tuple, tensors_in, plain_in, vids_
     else:
         got = None
     if key is not None:
-        if len(_RULED) >= 4096:
-            _RULED.clear()
-        _RULED[key] = got
+        bounded_put(_RULED, key, got)
     return got
 
 

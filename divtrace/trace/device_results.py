@@ -26,6 +26,7 @@ import torch
 from divtrace.trace import device_kernels
 from divtrace.trace.hashing import weights
 from divtrace.trace.hashing.spec import BLOCK, to_hex
+from divtrace.trace.memo import bounded_put
 
 
 
@@ -183,9 +184,8 @@ def _lane_table(n: int, device, row: bool = False) -> torch.Tensor:
         w, u = weights.inner(device), weights.outer(blocks, device)
         tab = _TABLES[key] = (w.unsqueeze(1) * u.unsqueeze(2)).reshape(2, -1)[:, :size]
         _TABLE_VIEWS.clear()  # (views of the old table)
-    if len(_TABLE_VIEWS) >= 4096:
-        _TABLE_VIEWS.clear()
-    got = _TABLE_VIEWS[(device, n, row)] = tab[0, :n] if row else tab[:, :n]
+    got = tab[0, :n] if row else tab[:, :n]
+    bounded_put(_TABLE_VIEWS, (device, n, row), got)
     return got
 
 

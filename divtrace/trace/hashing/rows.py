@@ -20,6 +20,7 @@ from divtrace.trace.hashing import ROW_SCHEME, weights
 from divtrace.trace.hashing.boxes import Runs, box
 from divtrace.trace.hashing.lanes import RunLanes, dot_last, lane_index, rotl1, stream_bytes
 from divtrace.trace.hashing.spec import BLOCK
+from divtrace.trace.memo import bounded_put
 
 try:
     from divtrace import _native
@@ -141,9 +142,7 @@ def heads_row_fingerprints(x: torch.Tensor, rows: int, row_shape=None, row_offse
     plan = _HEADS.get(key, False)
     if plan is False:  # (a function of the layout only: every layer repeats a few)
         plan = _heads_plan(shape, stride, es, rows, row_shape, row_offsets)
-        if len(_HEADS) >= 4096:
-            _HEADS.clear()
-        _HEADS[key] = plan
+        bounded_put(_HEADS, key, plan)
     if plan is None:
         return None
     step, head_bytes, starts, head_step, batch_step = plan

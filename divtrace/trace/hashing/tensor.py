@@ -19,6 +19,7 @@ from divtrace.trace.hashing.boxes import Runs, box, global_strides
 from divtrace.trace.hashing.lanes import RunLanes, run_sums, stream_bytes, whole_lanes
 from divtrace.trace.hashing.spec import BLOCK, MASK, to_hex as _hex
 from divtrace.trace.hashing.weights import i64
+from divtrace.trace.memo import bounded_put
 from divtrace.trace.records import json_safe
 
 try:
@@ -48,9 +49,7 @@ def _place(t: torch.Tensor, global_shape, offsets) -> tuple[Runs, int, tuple | N
     if got is None:  # (a function of the shapes only: the same few layouts come back every layer)
         runs = box(t.shape, global_shape, offsets)
         got = (runs, math.prod(global_shape) * t.element_size(), (runs.base, global_strides(global_shape)))
-        if len(_PLACES) >= 4096:
-            _PLACES.clear()
-        _PLACES[key] = got
+        bounded_put(_PLACES, key, got)
     return got
 
 
