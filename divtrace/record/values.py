@@ -37,6 +37,10 @@ _FRESH_BUFFERS = {f"aten.{n}" for n in (
     "empty.memory_format", "empty_like.default", "empty_strided.default", "new_empty.default",
     "new_empty_strided.default", "zeros.default", "zeros_like.default", "new_zeros.default", "full.default",
     "full_like.default", "new_full.default")}
+# Ops that hand back the very tensor they were given, untouched (their schema writes nothing): the functional
+# collectives' wait (the recorder already waited where the collective ran, and read its result then) and the
+# autograd wrapper DTensor puts around a collective's result. Their output is their input's value: not read again.
+_RETURNS_INPUT = {"_c10d_functional.wait_tensor.default", "_c10d_functional._wrap_tensor_autograd.default"}
 _RAW_WRITE = ("bytes of a buffer changed without a torch op (a kernel torch does not see, such as Triton launched "
               "directly, a C extension or a c10d collective, wrote into it): recorded as new values from outside, "
               "with no producing op")
@@ -293,6 +297,13 @@ class ValueIdentity:
         # alias) has the input's fingerprint: reuse it instead of hashing again.
         ptr, n = t.data_ptr(), t.numel()
         for src in inputs:
+            if src is t and op in _RETURNS_INPUT:
+                e = self._tensors.get(src)
+                if e is not None and e[1] == version and e[0] not in self._derived \
+                        and not (self._unsettled and e[0] in self._unsettled):
+                    v = copy_value(e[2], vid=self.writer.take_vid(), producer=producer)
+                    alias = (e[0], src)
+                break
             if src is t or src.data_ptr() != ptr or src.dtype != t.dtype or src.numel() != n or src.device != t.device:
                 continue
             if src.is_conj() != t.is_conj() or src.is_neg() != t.is_neg():
@@ -318,8 +329,13 @@ class ValueIdentity:
             v = self.writer.new_value(t, producer=producer, fp=self.block_fp(t) if self.block_fp is not None else None)
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
-        if self._tokens.grid is not None:
-            self._tokens.rows(v.vid, t, alias=alias)
+        tokens = self._tokens
+        if tokens.grid is not None:
+            e = self._tensors.get(base) if base is not None else None
+            # A view of what came from outside this call with no token rows (a weight, its local block, a buffer)
+            # has none either: a weight's rows are not tokens, though its first dim may equal the token count.
+            if e is None or e[0] in tokens.rowed:
+                tokens.rows(v.vid, t, alias=alias)
         if op in _FRESH_BUFFERS:
             self._unsettled.add(v.vid)
         elif self._unsettled and base is not None:  # a view of such a buffer sees what is written into it
