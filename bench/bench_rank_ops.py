@@ -4,7 +4,7 @@ plan on 2 gloo ranks, one thread each), only the two configurations, alternated 
 process's CPU time (what a shared machine moves least). With --profile, rank 0 (and TP=1) also run cProfile over
 a few recorded forwards and print where the recording's time goes.
 
-    python bench/bench_rank_ops.py [--rounds 12] [--profile 3] [--by-op] [--small] [--no-tp1]
+    python bench/bench_rank_ops.py [--rounds 12] [--profile 3] [--by-op] [--small] [--no-tp1] [--debug-mode]
 """
 from __future__ import annotations
 
@@ -150,7 +150,8 @@ def _by_op(model) -> None:
     OpRecorder.on_op = timed_on_op
 
 
-def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: bool = False) -> dict:
+def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: bool = False,
+             debug_mode: bool = False) -> dict:
     import torch
 
     import divtrace
@@ -180,6 +181,13 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: boo
             gc_s[1] += time.thread_time() - gc_s[0]
 
     gc.callbacks.append(on_gc)
+    def dbg():  # (--debug-mode: PyTorch's DebugMode with bitwise hashes, bench_record.py's reference, on the same
+        # forward: what another per-op recorder costs here)
+        from torch.utils._debug_mode import DebugMode
+
+        with torch.no_grad(), DebugMode(), DebugMode.log_tensor_hashes(hash_fn="hash_tensor"):
+            model(ids, use_cache=False)
+
     def empty():  # the block's own fixed cost: entered and left with no forward inside
         shutil.rmtree(tmp / "e", ignore_errors=True)
         with torch.no_grad(), divtrace.record(model, tmp / "e", mode="hash", ops=True):
@@ -193,12 +201,15 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: boo
             c0 = time.process_time()
             empty()
             e_cpu.append(time.process_time() - c0)
-        cpu: dict = {"plain": [], "hash_ops": []}
-        gcs: dict = {"plain": [], "hash_ops": []}
-        thread: dict = {"plain": [], "hash_ops": []}  # this thread's CPU only (gloo's threads, which poll while
+        configs = [("plain", plain), ("hash_ops", rec)] + ([("debug_mode", dbg)] if debug_mode else [])
+        if debug_mode:
+            dbg()  # (warm-up)
+        cpu: dict = {k: [] for k, _ in configs}
+        gcs: dict = {k: [] for k, _ in configs}
+        thread: dict = {k: [] for k, _ in configs}  # this thread's CPU only (gloo's threads, which poll while
         # waiting for the other rank, left out)
         for r in range(rounds):
-            order = (("plain", plain), ("hash_ops", rec)) if r % 2 == 0 else (("hash_ops", rec), ("plain", plain))
+            order = configs[r % len(configs):] + configs[:r % len(configs)]  # (rotated: each one first in turn)
             for name, fn in order:
                 c0, g0, t0 = time.process_time(), gc_s[1], time.thread_time()
                 fn()
@@ -220,6 +231,10 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: boo
                                       "max": round(max(t_extra), 1)},
                          "ratio": round(statistics.median(h / p for h, p in zip(thread["hash_ops"], thread["plain"])), 3)}
         out["cpu_ratio"] = round(statistics.median(h / p for h, p in zip(cpu["hash_ops"], cpu["plain"])), 3)
+        if debug_mode:
+            out["debug_mode"] = {
+                "thread_ratio": round(statistics.median(d / p for d, p in zip(thread["debug_mode"], thread["plain"])), 3),
+                "cpu_ratio": round(statistics.median(d / p for d, p in zip(cpu["debug_mode"], cpu["plain"])), 3)}
         if by_op:  # (--by-op: on_op per aten op, over 6 recorded forwards)
             _by_op(model)
             for _ in range(6):
@@ -261,7 +276,7 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: boo
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def rank_main(rank, world, model_dir, rounds, profile, ablate="", by_op=False, tp2_seq=0):
+def rank_main(rank, world, model_dir, rounds, profile, ablate="", by_op=False, tp2_seq=0, debug_mode=False):
     import torch
     from transformers import LlamaForCausalLM
 
@@ -272,7 +287,7 @@ def rank_main(rank, world, model_dir, rounds, profile, ablate="", by_op=False, t
     _, ids = build(small=model.config.num_hidden_layers == 2)
     if tp2_seq:  # (the same work per rank as one process at bench_record's sequence: twice its tokens at TP=2)
         ids = torch.randint(0, model.config.vocab_size, (1, tp2_seq), generator=torch.Generator().manual_seed(1))
-    out = _measure(model, ids, rounds, profile, ablate, by_op)  # (both ranks run the same forwards: collectives pair them)
+    out = _measure(model, ids, rounds, profile, ablate, by_op, debug_mode)  # (both ranks run the same forwards: collectives pair them)
     if rank:
         out.pop("profile", None)
     return out
@@ -289,6 +304,8 @@ def main(argv=None) -> int:
                     "(exclusive of the op's own call), with call counts: [op, calls, ms, op's own ms]")
     ap.add_argument("--tp2-seq", type=int, default=0, help="the ranks' sequence length (default: bench_record's, "
                     "256); 512 gives a rank about the single process's work at 256")
+    ap.add_argument("--debug-mode", action="store_true", help="also time PyTorch's DebugMode with bitwise hashes "
+                    "(bench_record.py's reference) on the same forwards: what another per-op recorder costs per rank")
     ap.add_argument("--ablate", default="", help="diagnostics: parts left out, comma-separated: layouts, tokens")
     args = ap.parse_args(argv)
     import torch
@@ -303,7 +320,7 @@ def main(argv=None) -> int:
         model_dir = tempfile.mkdtemp(prefix="divtrace-rank-ops-model-")
         model.save_pretrained(model_dir)
         try:
-            ranks = run_ranks(rank_main, 2, model_dir, args.rounds, args.profile, args.ablate, args.by_op, args.tp2_seq, timeout_s=600, join_s=7200)
+            ranks = run_ranks(rank_main, 2, model_dir, args.rounds, args.profile, args.ablate, args.by_op, args.tp2_seq, args.debug_mode, timeout_s=600, join_s=7200)
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)
         for r, x in enumerate(ranks):
@@ -312,7 +329,7 @@ def main(argv=None) -> int:
                 print(f"--- rank {r} profile ---\n{prof}")
             res[f"rank{r}"] = x
     if not args.no_tp1:
-        x = _measure(model, ids, args.rounds, args.profile, args.ablate, args.by_op)
+        x = _measure(model, ids, args.rounds, args.profile, args.ablate, args.by_op, args.debug_mode)
         prof = x.pop("profile", None)
         if prof:
             print(f"--- TP=1 profile ---\n{prof}")
