@@ -48,3 +48,27 @@ def test_views_of_weights_get_no_token_rows_and_views_of_activations_keep_theirs
     assert act_views  # the hidden states flattened for the matmuls
     assert not [v for v in weight_views if v in rows]
     assert all(v in rows for v in act_views)
+
+
+def test_an_op_handing_back_its_own_input_keeps_its_rows(tmp_path):
+    """Regression: `x.to(x.dtype)` under inference mode (vLLM's engine runs so) reaches the recorder as
+    `aten.to.dtype`, an aliasing op that returns `x` itself; its value's token rows were lost when the rule above
+    looked up its source in the table after the output (the same tensor) had replaced it there."""
+    class Cast(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 16)
+
+        def forward(self, input_ids):
+            x = self.emb(input_ids)
+            return x.to(torch.float32) * 2
+
+    m = Cast()
+    ids = torch.randint(0, 50, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode(), divtrace.record(m, tmp_path / "t", mode="hash", ops=True):
+        m(input_ids=ids)
+    recs = [json.loads(x) for x in (tmp_path / "t" / "records.jsonl").read_text().splitlines()]
+    rows = {json.loads(x)[0] for x in (tmp_path / "t" / "rows.jsonl").read_text().splitlines()}
+    cast = [r for r in recs if r.get("op") == "aten.to.dtype"]
+    assert cast, [r.get("op") for r in recs]  # (the op reached the recorder: else this test tests nothing)
+    assert cast[0]["in"][0] in rows and cast[0]["out"][0] in rows

@@ -290,6 +290,9 @@ class ValueIdentity:
         # A view's version counter is tied to its base's only after the op has returned through the dispatch
         # mode: here it still reads 0. What the view will read from then on is its base's version now.
         base = self._alias_source(t, inputs) if is_view else None
+        # (the source's entry now: an aliasing op may hand back the source itself, `t is base`, whose entry the
+        # table then gives to the new value)
+        base_entry = self._tensors.get(base) if base is not None else None
         version = self.version(t if base is None else base)
         alias = None  # (vid, tensor) of an input `t` reads the same bytes of: its token rows may serve `t` too
         v = None
@@ -331,10 +334,9 @@ class ValueIdentity:
         self._tensors[t] = (v.vid, version, v)
         tokens = self._tokens
         if tokens.grid is not None:
-            e = self._tensors.get(base) if base is not None else None
             # A view of what came from outside this call with no token rows (a weight, its local block, a buffer)
             # has none either: a weight's rows are not tokens, though its first dim may equal the token count.
-            if e is None or e[0] in tokens.rowed:
+            if base_entry is None or base_entry[0] in tokens.rowed:
                 tokens.rows(v.vid, t, alias=alias)
         if op in _FRESH_BUFFERS:
             self._unsettled.add(v.vid)
