@@ -55,14 +55,14 @@ def _plant_near_tie(model, ids) -> None:
     gate = model.model.layers[0].mlp.gate
     w0 = gate.weight.detach().clone()
     with torch.no_grad():
-        logits = x[row] @ w0.T
+        logits = (x @ w0.T)[row]  # (all rows in one product, as the router computes them)
         order = torch.argsort(logits, descending=True).tolist()
         second, third = order[1], order[2]
         for gap in (1e-4, -1e-4):
             target = logits[second] + gap
             gate.weight.copy_(w0)
             gate.weight[third] += (target - logits[third]) * x[row] / (x[row] @ x[row])
-            moved = x[row] @ gate.weight.T
+            moved = (x @ gate.weight.T)[row]
             f32 = set(torch.topk(torch.softmax(moved, -1), 2).indices.tolist())
             b16 = set(torch.topk(torch.softmax(moved.bfloat16(), -1), 2).indices.tolist())
             if f32 != b16:
