@@ -156,7 +156,8 @@ def attach(trainer, path, *, rollout_model=None, sync_weights=None, replay="firs
             st.pending[key] += 1
             st.rollout.setdefault(key, []).append(lp)
         st.gen = {"input_ids": ids.detach().cpu(), "attention_mask": mask.detach().cpu(),
-                  "sequences": out.sequences.detach().cpu(), "config": cfg.to_dict(), "version": version}
+                  "sequences": out.sequences.detach().cpu(), "config": _as_resolved(cfg, gen_model.generation_config),
+                  "version": version}
         return out.sequences
 
     original_logps = trainer._get_per_token_logps_and_entropies
@@ -184,6 +185,19 @@ def attach(trainer, path, *, rollout_model=None, sync_weights=None, replay="firs
     cb = LedgerCallback()
     trainer.add_callback(cb)
     return cb
+
+
+def _as_resolved(cfg, model_cfg) -> dict:
+    """`cfg` as a dict with each setting it leaves unset (None) taken from the model's generation config, as generate
+    resolves them. The replay rebuilds the model from config.json, whose generation defaults may not be the ones
+    that ran: TRL sets `config.use_cache = False` for gradient checkpointing after the policy's generation config
+    was made (use_cache True), and a replay without the KV cache runs other matmul shapes (tests/test_cert_trl.py:
+    on a CPU whose bf16 kernels depend on the row count, its logprobs then differ from the rollout's)."""
+    d = cfg.to_dict()
+    for k, v in model_cfg.to_dict().items():
+        if v is not None and d.get(k) is None and not k.startswith("_") and k != "transformers_version":
+            d[k] = v
+    return d
 
 
 def _new_step(st: _State, step: int) -> None:
@@ -274,6 +288,8 @@ def save_replay(led, trainer, st, policy, rollout_model, call: dict, rows, value
         "cast_lm_head_to_fp32": bool(getattr(trainer.args, "cast_lm_head_to_fp32", False)),
         "trainer_grad_enabled": torch.is_grad_enabled(), "trainer_training": policy.training,
         "num_threads": torch.get_num_threads(), "weights_ref": weights_ref,
+        # (config.json leaves it out: a replay rebuilt with the default attention runs another kernel)
+        "attn_implementation": getattr(policy.config, "_attn_implementation", None),
         "rollout_weights": "rollout_weights.safetensors" if rollout_model is not None and weights_ref is None else None,
         "ledger": str(led.path), "trl": __import__("trl").__version__,
     }

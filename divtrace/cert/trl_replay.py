@@ -30,12 +30,14 @@ def _model(d: Path, m: dict, weights: str):
     from trl.trainer.utils import add_fused_lm_head
 
     config = AutoConfig.from_pretrained(str(d))
-    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, m["dtype"]))
+    attn = m.get("attn_implementation")  # (None in replays saved before it: the default)
+    kw = {"attn_implementation": attn} if attn else {}
+    model = AutoModelForCausalLM.from_config(config, **kw).to(getattr(torch, m["dtype"]))
     src = m["weights_ref"] or str(d / weights)
     if src.endswith(".safetensors"):
         load_model(model, src)
     else:  # a checkpoint folder the user gave
-        model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=getattr(torch, m["dtype"]))
+        model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=getattr(torch, m["dtype"]), **kw)
     add_fused_lm_head(model, temperature=m["temperature"], cast_lm_head_to_fp32=m["cast_lm_head_to_fp32"],
                       outputs=("log_probs", "entropy"))
     return model
