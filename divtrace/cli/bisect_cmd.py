@@ -30,6 +30,11 @@ def render_bisect(o: Output, r) -> None:
     elif r.verdict == "within_tolerance":
         o.passed(f"within tolerance: {r.compared} tensor pairs compared, {r.bitwise_differs} differ bitwise but "
                  f"all pass {d['tolerance']}")
+    elif r.verdict == "absorbed":
+        o.passed(f"final outputs identical; {len(r.absorbed)} internal difference(s) absorbed (they reach no output: "
+                 f"not origins) [{la} vs {lb}]")
+        o.table("absorbed (differ inside, never reach an output; not origins)", ["module", "call", "kind", "op"],
+                [[x["module"] or "<root>", x["call"], x["kind"], x["op"] or "-"] for x in r.absorbed[:12]])
     elif r.verdict == "inconclusive":
         c = r.coverage
         seen = (f"{r.compared} tensor pairs compared over {c.calls_compared} call pairs, all equal" if r.compared
@@ -125,8 +130,8 @@ def bisect(
     Comparison is bitwise (dtype, shape and raw bytes; -0.0 != 0.0, NaNs by their bits) unless --atol,
     --rtol or --ulp is given. Exit 0 identical (both traces complete, final outputs compared and equal),
     1 diverged, 2 bad input, 3 inconclusive (a trace stopped early or holds computation divtrace did not see,
-    and nothing diverged before: the INCONCLUSIVE line says why and what to do), 4 absorbed (token alignment:
-    every final value bitwise equal, internal differences that never reach them; no origin).
+    and nothing diverged before: the INCONCLUSIVE line says why and what to do), 4 absorbed
+    (every final value bitwise equal, internal differences that never reach them; no origin).
 
     Traces that carry token identity (HF-style calls, or rec.tokens declarations) are aligned token by token
     when their calls differ. The final values (logits rows, logprobs) are always compared and lead the report

@@ -52,6 +52,27 @@ def _top_pairs(ta: Trace, pairing: Pairing):
             yield ca, cb
 
 
+def _outputs_equal(walker, ta: Trace, pairing: Pairing) -> bool:
+    """Whether every top call pair's outputs were compared (at least one pair of them) and none differs."""
+    tops = list(_top_pairs(ta, pairing))
+    return bool(tops) and all(walker.cmp.pairs(ca.outputs, cb.outputs) and walker.out_mismatch(ca, cb) is None
+                              for ca, cb in tops)
+
+
+def _writes_in_place(d) -> bool:
+    """Whether the differing op writes into a tensor (`copy_`, `index_put_`, an `add_`): the tensor may be state
+    that outlives the run (a KV cache, a buffer the next step reads), so its difference is kept as an origin."""
+    return any(op is not None and op.split(".")[1].endswith("_") for op in (d.op, d.op_b) if op and op.count(".") >= 2)
+
+
+def _absorbed_entry(d) -> dict:
+    """An `absorbed` entry of a call-aligned result (json.md): where the difference sits."""
+    note = ("the op's output differs, every output of the run is equal" if d.kind == "op"
+            else "the call's output differs, every output of the run is equal")
+    return {"module": d.module, "call": d.call, "kind": "op" if d.kind == "op" else "module", "op": d.op,
+            "op_b": d.op_b, "tensor": d.tensor, "note": note}
+
+
 def _nothing_to_compare(ta: Trace, tb: Trace, unmatched: dict | None = None) -> BisectResult:
     """The verdict when a trace stopped before anything could be compared (before its first module call was
     written, say): inconclusive, saying why. `unmatched`: the calls the pairing left without a partner, where
@@ -221,10 +242,22 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
         raise DivtraceError(f"{ta.path} vs {tb.path}: tensors differ but no aligned module call differs; "
                             "cannot localize (please report this)")
     final_compared, final_equal, final_note, final_local = final_outputs(ta, tb, pairing, walker)
+    absorbed = []
+    if (first is not None and first.cause != "propagated" and cmp.tol is None and final_compared and final_equal
+            and _outputs_equal(walker, fa, pairing) and not any(map(_writes_in_place, (first, *nxt)))):
+        # Every output of every top call was compared and is bitwise equal: what differs inside reaches no output
+        # (a value the next op rounds away, a weight element no output row reads). Not an origin, as under token
+        # alignment: absorbed, listed.
+        absorbed = [_absorbed_entry(d) for d in (first, *nxt)]
+        first, nxt = None, []
+        for t in (ta, tb):  # (as for identical: the stored bytes must be what was recorded)
+            verify = getattr(t, "verify_shards", None)
+            if verify is not None:
+                verify()
     v = decide(origin_found=first is not None, within_tolerance=verdict == "within_tolerance",
                final_compared=final_compared, final_equal=final_equal, a=trace_seen(ta, "a", tb),
                b=trace_seen(tb, "b", ta), calls_compared=len(aligned), only_a=unmatched["a"], only_b=unmatched["b"],
-               final_note=final_note, final_local=final_local)
+               final_note=final_note, final_local=final_local, absorbed=len(absorbed))
     env_keys = ("torch_version", "device", "cuda_device_name")
     sets = settings_diff({**ta.meta.get("settings", {}), **{k: ta.meta.get(k) for k in env_keys}},
                          {**tb.meta.get("settings", {}), **{k: tb.meta.get(k) for k in env_keys}})
@@ -239,7 +272,8 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
         final=final_summary(ta, tb, pairing, cmp), labels=(ta.label, tb.label), paths=(str(ta.path), str(tb.path)),
         metrics_available=cmp.values_available, complete=(ta.complete, tb.complete), unmatched=unmatched,
         warnings=warnings, hint=hint, bitwise_differs=cmp.bitwise_differs, compiled=compiled,
-        tolerance=None if cmp.tol is None else {"atol": cmp.tol.atol, "rtol": cmp.tol.rtol, "ulp": cmp.tol.ulp})
+        tolerance=None if cmp.tol is None else {"atol": cmp.tol.atol, "rtol": cmp.tol.rtol, "ulp": cmp.tol.ulp},
+        absorbed=absorbed)
 
 
 first_divergence = bisect

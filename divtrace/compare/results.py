@@ -105,6 +105,7 @@ class BisectResult:
     compiled: dict | None = None  # traces recorded inside compiled code: divtrace.compare.compiled_report
     reason: str = ""  # why this verdict (and, when inconclusive, what to do next)
     coverage: Coverage | None = None
+    absorbed: list = field(default_factory=list)  # differences that reach no output (verdict "absorbed")
 
     @property
     def exit_code(self) -> int:
@@ -119,4 +120,5 @@ class BisectResult:
                 "metrics_available": self.metrics_available,
                 "complete": {"a": self.complete[0], "b": self.complete[1]}, "unmatched_calls": self.unmatched,
                 "bitwise_differs": self.bitwise_differs, "tolerance": self.tolerance,
-                "warnings": self.warnings, "hint": self.hint, "compiled": self.compiled}
+                "warnings": self.warnings, "hint": self.hint, "compiled": self.compiled,
+                "absorbed": list(self.absorbed)}

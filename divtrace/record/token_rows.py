@@ -18,6 +18,7 @@ from divtrace.trace.hashing import rows as hashing_rows
 from divtrace.trace.hashing.base import native_eligible
 from divtrace.trace.hashing.rows import row_fingerprints, rows_bytes, strided_row_fingerprints
 from divtrace.record.token_identity import TokenTracker
+from divtrace.record.token_provenance import layout_from_op
 from divtrace.record.token_store import TokenStoreWriter
 from divtrace.trace import token_layout
 
@@ -94,7 +95,8 @@ class TokenRows:
         if self.grid is not None:
             self.rows(vid, t, defer=False)
 
-    def rows(self, vid: int, t: torch.Tensor, root_output: bool = False, alias=None, defer: bool = True) -> None:
+    def rows(self, vid: int, t: torch.Tensor, root_output: bool = False, alias=None, defer: bool = True,
+             made_by=None) -> None:
         """Fingerprint each token row of a value made in the current root call (see divtrace.trace.token_layout). A
         view whose rows hold the same bytes as its source's rows (`alias`: a reshape of a row-major layout, or the
         [B, T, H, d] <-> [B, H, T, d] transpose) points at the source's fingerprints instead of hashing again."""
@@ -117,6 +119,10 @@ class TokenRows:
             self.unrowed.add(vid)
             return
         self.unrowed.discard(vid)
+        if code == token_layout.AMBIGUOUS and made_by is not None:  # (op, encoded args, {input vid: shape})
+            cur = self.store.current
+            code = layout_from_op(made_by[0], made_by[1], made_by[2](), lambda v: (cur.get(v) or (None,))[0],
+                                  shape) or code
         if code in (token_layout.AMBIGUOUS, token_layout.CROSS):
             self.store.add_rows(vid, g.call_id, code, None)
             return
