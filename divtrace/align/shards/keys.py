@@ -7,9 +7,20 @@ values of a sharded run have none that divtrace can vouch for:
 - a partial sum before its reduction;
 - a block whose other blocks are missing (a rank that stopped early, or never ran).
 
-Such a value gets a `RankLocal` key: comparisons skip it unless the other side holds an equal `RankLocal` key
-(the same layout on both sides, piece for piece), and it counts as a value the other side does not have when the
-walker retraces where two runs part (so the parting region reaches back to values both have).
+Such a value gets a `RankLocal` key, of one of two sorts (its kind, `key[2][0]`):
+- it holds the pieces themselves, each rank's key in mesh or group order: a partial sum (`partial`, after its
+  placements) and a rank's own pieces (`local`). Two keys of one such kind laid out the same way on both sides (the
+  same placements, as many pieces, each of the same shape) are compared, piece by piece: unequal pieces are a
+  difference. Any other pair with one of them is not compared.
+- it only names the value by where it is (a rank, a value id): `missing` (a rank of its mesh has no block of it:
+  stopped before it, or no trace), `unaligned` (past where the group's ranks part or stop), `untiled`, `unrouted`
+  (the blocks do not make the global value), `unverified` (a one-rank group whose partner may be a missing rank).
+  Nothing of its bytes is in the key, so it is never compared, with anything, and it equals nothing but itself:
+  the same value id in two runs is no evidence that the values are equal.
+
+Comparisons skip a pair that is not compared (neither equal nor different), and a RankLocal value counts as a value
+the other side does not have when the walker retraces where two runs part (so the parting region reaches back to
+values both have).
 
 `ReplicaMismatch` keys a value whose replicas (ranks that must hold the same bytes) differ: it equals nothing,
 so the walker reports it where it first appears.
@@ -17,14 +28,21 @@ so the walker reports it where it first appears.
 from __future__ import annotations
 
 
+# Kinds whose key holds the ranks' pieces -> where the pieces start in key[2] (before them: the layout, after the kind)
+_PIECES = {"partial": 2, "local": 1}
+
+
 class RankLocal(tuple):
-    """(dtype, local shape, (kind, per-rank keys...)): see the module docstring. Equal only to an equal
-    RankLocal."""
+    """(dtype, local shape, (kind, [layout], per-rank keys...) or (kind, where...)): see the module docstring. A key
+    that holds pieces is equal only to an equal RankLocal; one that names a place (or holds a piece it does not know),
+    only to itself: equal keys are always a pair `uncompared` lets through."""
 
     __slots__ = ()
 
     def __eq__(self, other):
-        return type(other) is RankLocal and tuple.__eq__(self, other)
+        if self is other:
+            return True
+        return type(other) is RankLocal and self.layout() is not None and tuple.__eq__(self, other)
 
     def __ne__(self, other):
         return not self.__eq__(other)
@@ -35,6 +53,17 @@ class RankLocal(tuple):
     @property
     def kind(self) -> str:
         return self[2][0]
+
+    def layout(self) -> tuple | None:
+        """(kind, its layout, each piece's shape) of a key that holds pieces; None for one that names a place, or
+        where a rank's piece is unknown (no counterpart on that rank)."""
+        start = _PIECES.get(self[2][0])
+        if start is None:
+            return None
+        pieces = self[2][start:]
+        if any(p is None for p in pieces):
+            return None
+        return self[2][:start], tuple(tuple(p[1]) for p in pieces)
 
 
 class ReplicaMismatch(tuple):
@@ -57,5 +86,13 @@ class ReplicaMismatch(tuple):
 
 
 def uncompared(ka, kb) -> bool:
-    """Whether a pair of keys is left out of a comparison: one side has no global value to compare."""
-    return (type(ka) is RankLocal) != (type(kb) is RankLocal)
+    """Whether a pair of keys is left out of a comparison: a side has no global value to compare, and the pair is not
+    two keys holding the same kind of pieces laid out the same way (module docstring). A missing block, a value
+    past a stop or a parting, on either side, is never compared."""
+    la, lb = type(ka) is RankLocal, type(kb) is RankLocal
+    if not (la or lb):
+        return False
+    if la != lb:
+        return True
+    layout = ka.layout()
+    return layout is None or layout != kb.layout()

@@ -15,7 +15,9 @@ In the spirit of SGLang's comparator (its unsharder's planner and executor), but
      A layout a rule made is trusted only where the op's plain inputs were replicated.
    - a replica (`R`): every rank of its mesh must hold the same bytes, else a ReplicaMismatch (a finding: the
      walker reports it where it first appears).
-   - a partial sum (`P`): RankLocal, compared only with a partial sum laid out the same way.
+   - a partial sum (`P`): RankLocal, compared only with a partial sum laid out the same way (keys.py).
+   - a block whose other blocks are missing (a rank stopped before it, or has no trace): RankLocal, never
+     compared.
    - routed rows (`T`): every (token, slot) row held by exactly one rank; keyed as the global value
      `[tokens * top_k, ...]` by the sum of the ranks' partials.
    - no layout: equal on every rank of the group -> replicated (the rank's key); else the ranks' own pieces
@@ -231,7 +233,8 @@ class Planner:
                 return ValuePlan(RankLocal((key0[0], key0[1], ("missing", q, vid))), "local", note=why, layout=desc)
             peers[q] = p
         if lay.pending:
-            return ValuePlan(RankLocal((key0[0], key0[1], ("partial",) + tuple(p[2] for p in peers.values()))),
+            pieces = tuple(p[2] for p in peers.values())  # (compared only with a partial sum laid out the same way)
+            return ValuePlan(RankLocal((key0[0], key0[1], ("partial", tuple(lay.placements)) + pieces)),
                              "local", note="a partial sum before its reduction", layout=desc)
         if lay.routed:
             return _routed_plan(key0, vid, lay, peers, desc)
