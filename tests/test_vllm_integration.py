@@ -343,7 +343,14 @@ def test_vllm_vs_hf_first_divergence_matches_hook_oracle(model_dir, tmp_path, dt
     # that origin is `first`, and its kernel replays only inside the engine): vLLM's attention and oneDNN matmuls
     # replay only inside the engine, so the repro is cut at vLLM's parting op (repro/narrow.py), and the script
     # fails standalone, in a fresh interpreter without divtrace
-    rope = next(o for o in d["origins"] if o.get("op_b") == "_C.rotary_embedding.default")
+    rope = next((o for o in d["origins"] if o.get("op_b") == "_C.rotary_embedding.default"), None)
+    if rope is None:
+        # On some CPUs vLLM's rotary kernel gives HF's bits (an AMD EPYC without AVX-512): the origins are then the
+        # engine's matmuls and attention, each already checked against the oracle above, whose kernels replay only
+        # inside the engine; there is no RoPE origin to cut a standalone repro at
+        assert d["origins"] and all(o.get("op_b") in meta["engine"]["unreplayable_ops"] for o in d["origins"]), \
+            d["origins"]
+        return
     out = tmp_path / "repro"
     r = subprocess.run([sys.executable, "-m", "divtrace", "repro", str(train_dir), str(rollout_dir), "--map",
                         "vllm-hf", "--at", str(rope["index"]), "--out", str(out)], capture_output=True, text=True,
