@@ -62,7 +62,16 @@ def _outputs_equal(walker, ta: Trace, pairing: Pairing) -> bool:
 def _writes_in_place(d) -> bool:
     """Whether the differing op writes into a tensor (`copy_`, `index_put_`, an `add_`): the tensor may be state
     that outlives the run (a KV cache, a buffer the next step reads), so its difference is kept as an origin."""
-    return any(op is not None and op.split(".")[1].endswith("_") for op in (d.op, d.op_b) if op and op.count(".") >= 2)
+    return any(op.split(".")[1].endswith("_") for op in (d.op, d.op_b) if op and op.count(".") >= 2)
+
+
+def _verify_stored(ta: Trace, tb: Trace) -> None:
+    """Before calling runs equal (or their differences absorbed): the stored bytes must be what was recorded (a
+    corrupted shard must never pass)."""
+    for t in (ta, tb):
+        verify = getattr(t, "verify_shards", None)
+        if verify is not None:
+            verify()
 
 
 def _absorbed_entry(d) -> dict:
@@ -234,10 +243,7 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
     if verdict in ("identical", "within_tolerance"):
         # The verdict so far rests on the fingerprints in records.jsonl; before calling the runs equal, make sure
         # the stored bytes are what was recorded (a corrupted shard must never pass as identical).
-        for t in (ta, tb):
-            verify = getattr(t, "verify_shards", None)
-            if verify is not None:
-                verify()
+        _verify_stored(ta, tb)
     if verdict == "diverged" and first is None:
         raise DivtraceError(f"{ta.path} vs {tb.path}: tensors differ but no aligned module call differs; "
                             "cannot localize (please report this)")
@@ -250,10 +256,7 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
         # alignment: absorbed, listed.
         absorbed = [_absorbed_entry(d) for d in (first, *nxt)]
         first, nxt = None, []
-        for t in (ta, tb):  # (as for identical: the stored bytes must be what was recorded)
-            verify = getattr(t, "verify_shards", None)
-            if verify is not None:
-                verify()
+        _verify_stored(ta, tb)  # (as for identical)
     v = decide(origin_found=first is not None, within_tolerance=verdict == "within_tolerance",
                final_compared=final_compared, final_equal=final_equal, a=trace_seen(ta, "a", tb),
                b=trace_seen(tb, "b", ta), calls_compared=len(aligned), only_a=unmatched["a"], only_b=unmatched["b"],

@@ -119,10 +119,11 @@ class TokenRows:
             self.unrowed.add(vid)
             return
         self.unrowed.discard(vid)
-        if code == token_layout.AMBIGUOUS and made_by is not None:  # (op, encoded args, {input vid: shape})
+        if code == token_layout.AMBIGUOUS and made_by is not None:  # (op, encoded args, inputs, the values' table)
+            op, args, inputs, table = made_by
             cur = self.store.current
-            code = layout_from_op(made_by[0], made_by[1], made_by[2](), lambda v: (cur.get(v) or (None,))[0],
-                                  shape) or code
+            shapes = {e[0]: s.shape for s in inputs if (e := table.get(s)) is not None}
+            code = layout_from_op(op, args, shapes, lambda v: (cur.get(v) or (None,))[0], shape) or code
         if code in (token_layout.AMBIGUOUS, token_layout.CROSS):
             self.store.add_rows(vid, g.call_id, code, None)
             return

@@ -337,8 +337,7 @@ class ValueIdentity:
             # A view of what came from outside this call with no token rows (a weight, its local block, a buffer)
             # has none either: a weight's rows are not tokens, though its first dim may equal the token count.
             if base_entry is None or base_entry[0] in tokens.rowed:
-                tokens.rows(v.vid, t, alias=alias, made_by=(op, enc_args, lambda: {
-                    e[0]: s.shape for s in inputs if (e := self._tensors.get(s)) is not None}))
+                tokens.rows(v.vid, t, alias=alias, made_by=(op, enc_args, inputs, self._tensors))
         if op in _FRESH_BUFFERS:
             self._unsettled.add(v.vid)
         elif self._unsettled and base is not None:  # a view of such a buffer sees what is written into it

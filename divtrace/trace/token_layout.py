@@ -12,9 +12,10 @@ Layouts (codes stored in rows.jsonl):
            cos/sin when the caller passed no position ids)
 
 A shape that fits two layouts with different rows (B, H, T with H == T) is ambiguous here; at record time the op
-that made it may still say which (divtrace/record/token_provenance.py), else it gets no rows and is compared whole. A heads-first tensor whose last dim is the call's key/value length (attention scores, a 4-D mask)
-holds one token's view of the others, not its own data: it gets no rows either (`cross`), since a decode step and a
-full-sequence forward lay those columns out differently by design.
+that made it may still say which (divtrace/record/token_provenance.py), else it gets no rows and is compared whole.
+A heads-first tensor whose last dim is the call's key/value length (attention scores, a 4-D mask) holds one token's
+view of the others, not its own data: it gets no rows either (`cross`), since a decode step and a full-sequence
+forward lay those columns out differently by design.
 """
 from __future__ import annotations
 
