@@ -111,3 +111,39 @@ def test_a_difference_in_one_ranks_sequence_is_found_and_reproduced_from_that_ra
     assert res.ok, res.fidelity
     m = json.loads((tmp_path / "repro" / "manifest.json").read_text())
     assert m["origin"]["trace_a"].endswith("rank-1")
+
+
+def test_auto_pairs_a_data_parallel_run_by_tokens_against_one_process_running_its_sequences_one_at_a_time(runs):
+    """One process running each rank's sequence in a call of its own holds the same tokens in the same rows, call
+    for call, as the run view (each rank's root call in rank order): `--align auto` must still pair them by tokens
+    (a data-parallel run pairs with nothing by calls), not refuse them as bad input. Held to the hooks: identical
+    where every logits row is bitwise equal, else the hooks' module."""
+    from transformers import LlamaForCausalLM
+
+    root, ranks, _ = runs
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m = LlamaForCausalLM.from_pretrained(str(root / "model"), dtype=torch.float32).eval()
+        for mode in ("full", "hash"):
+            with torch.no_grad(), divtrace.record(m, str(root / "seq" / mode), mode=mode):
+                for s in FSDP_IDS:
+                    m(torch.tensor(s))
+        one = [capture(m, s)[0] for s in FSDP_IDS]
+    finally:
+        torch.set_num_threads(threads)
+    origins = [o for r, (caps, order) in enumerate(ranks) if (o := truth_origin(order, caps, one[r])) is not None]
+    same_logits = all(bits_equal(caps["lm_head"][1], one[r]["lm_head"][1]) for r, (caps, _) in enumerate(ranks))
+    for mode in ("full", "hash"):
+        res = divtrace.bisect(str(root / "fsdp2" / mode), str(root / "seq" / mode))  # align="auto"
+        d = res.to_dict()
+        assert d["alignment"] == "tokens", d
+        assert d["tokens"]["shared"] == sum(len(s[0]) for s in FSDP_IDS), d["tokens"]
+        if not origins:
+            assert same_logits and res.verdict == "identical", d
+        else:
+            assert res.verdict == "diverged" and res.first.module in origins, (d["first"], origins)
+    # the planted run (rank 1's q_proj) against the same unplanted one-process calls: found for rank 1's tokens
+    r = divtrace.bisect(str(root / "fsdp2" / "plant"), str(root / "seq" / "full"))
+    assert r.verdict == "diverged" and r.first.module == "model.layers.0.self_attn.q_proj", r.to_dict()["first"]
+    assert r.to_dict()["first"]["token"]["seq"]["first_ids"][:3] == FSDP_IDS[1][0][:3]

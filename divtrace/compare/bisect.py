@@ -116,7 +116,7 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
         if align != "calls":
             from divtrace.align.tokens import token_alignment_needed
 
-            if token_alignment_needed(ta, tb, forced=align == "tokens"):
+            if token_alignment_needed(ta, tb, forced=align == "tokens" or _data_parallel(ta, tb)):
                 same_schemes(ta, tb, "row_scheme")
                 from divtrace.compare.token_bisect import token_bisect  # (numpy: only where tokens are aligned)
 
@@ -126,6 +126,18 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
 
         raise_if_unpairable(ta, tb)
         return _sharded(_bisect(a, b, tol, path_map, n_next), ta, tb)
+
+
+def _data_parallel(ta, tb) -> bool:
+    """A side is a data-parallel run (its ranks hold different inputs: groups of their own) and both sides carry
+    token identity: its calls pair with nothing by module and call number, so "auto" takes tokens, even where its
+    root calls hold the same tokens in the same rows as the other side's (one process running the ranks'
+    sequences one at a time)."""
+    from divtrace.align.shards.view import RunView
+
+    if not any(isinstance(t, RunView) and len(t.groups) > 1 for t in (ta, tb)):
+        return False
+    return ta.token_index().has_tokens and tb.token_index().has_tokens
 
 
 def _sharded(result: BisectResult, ta, tb) -> BisectResult:
