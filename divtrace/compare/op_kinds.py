@@ -25,6 +25,28 @@ VALUE_PRESERVING = {
 }
 
 
+# Ops whose output row for one token reads the rows of other tokens of its sequence (attention over K and V): a
+# token's own input rows being equal does not make its inputs equal.
+ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+             "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+             "_efficient_attention_forward"}
+
+
+def reads_other_tokens(op: str | None) -> bool:
+    """Whether an op (`aten.NAME.overload`, or `ns.NAME...`) is an attention: one whose output row for a token reads
+    other tokens' K/V rows. aten's attentions by name; another namespace's op by `attention` or `attn` in its name
+    (vLLM's `unified_attention`, flash-attn's ops)."""
+    if not op:
+        return False
+    ns, _, rest = op.partition(".")
+    name = rest.split(".")[0] if rest else ns
+    if ns == "aten":
+        return name in ATTENTION
+    return "attention" in name or "attn" in name
+
+
 _FInfo = namedtuple("_FInfo", "bits eps max tiny")  # the torch.finfo fields cast_rounds reads
 
 # torch.finfo of the floating dtypes, written out so that telling casts apart needs no torch (a hash-trace

@@ -85,7 +85,7 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
     # differing row anywhere (the verdict then says the finals were not compared).
     explain = list(fin.differ) if fin.compared else [k for k in shared if k in sw.first_module or k in positions]
     found, walked = find_origins(sa, sb, views, explain, sw.first_module, sw.module_rows, positions, fin_a, fin_b,
-                                 tol)
+                                 tol, any_differs=sw.any_differs)
     origins, origin_cells = [], []
     for o in found:
         origins.append(_origin_dict(sa, sb, o))

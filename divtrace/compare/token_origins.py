@@ -9,6 +9,10 @@
   per-token K rows) is no proven origin yet: where a token the representative attends to (an earlier token of its
   sequence) differs inside the same module, that token's difference is the origin, reaching this token through
   attention; it is walked and counted there.
+- An attention op whose own rows of the token are equal on both sides reads the K/V rows of the earlier tokens of
+  its sequence too: its inputs are equal for the token only when those rows are. Where an earlier token's rows of
+  the op's inputs differ, that token's difference is the origin (walked from where its rows first differ, which
+  may be a module before this one, its own output equal: absorbed for it, not for the tokens attending to it).
 - The order: an origin's op offset in its root call's forward (side a). A decode step's op is never earlier by wall
   time: offsets are within one forward.
 
@@ -20,11 +24,14 @@ from dataclasses import dataclass, field
 
 from divtrace.align.tokens import TraceTokens
 from divtrace.align.views import TokenViews
+from divtrace.compare.op_kinds import reads_other_tokens
 from divtrace.compare.output_walker import OutputWalker
 from divtrace.compare.results import Divergence
 from divtrace.compare.values import TokenComparator
 
 MAX_WALKS = 48
+MAX_KV_CHECKS = 64  # earlier tokens whose K/V rows are checked for one attention origin
+MAX_HOPS = 8  # tokens followed back through attention, one after the other
 _LATE = 1 << 60
 
 
@@ -69,8 +76,10 @@ def _position(tok: TraceTokens, k: int) -> int:
 
 
 def find_origins(sa: TraceTokens, sb: TraceTokens, views: TokenViews, explain: list, first_module: dict,
-                 module_rows: dict, positions: dict, fin_a: dict, fin_b: dict, tol=None) -> tuple[list[Origin], int]:
-    """(the origins, the first one first; how many tokens were walked)."""
+                 module_rows: dict, positions: dict, fin_a: dict, fin_b: dict, tol=None,
+                 any_differs=None) -> tuple[list[Origin], int]:
+    """(the origins, the first one first; how many tokens were walked). `any_differs`: the tokens with a differing
+    row anywhere (the sweep's), the earlier tokens an attention origin's K/V rows are checked for."""
     found: list[Origin] = []
     if any(k in positions for k in explain):
         # every token computed at another position, whether its own final value was compared or not (prompt rows
@@ -93,7 +102,7 @@ def find_origins(sa: TraceTokens, sb: TraceTokens, views: TokenViews, explain: l
             if depth < len(g) and len(reps) < MAX_WALKS and (depth < 2 or len(reps) < MAX_WALKS // 2):
                 reps.append((label, g[depth]))
         depth += 1
-    walker_for = _Walkers(sa, sb, views, tol)
+    walker_for = _Walkers(sa, sb, views, tol, first_module, set(any_differs or ()))
     by_group: dict = {}
     for label, k in reps:
         o = _walk(walker_for, sa, sb, k, fin_a, fin_b, module_rows)
@@ -126,8 +135,10 @@ def find_origins(sa: TraceTokens, sb: TraceTokens, views: TokenViews, explain: l
 
 
 class _Walkers:
-    def __init__(self, sa, sb, views, tol):
+    def __init__(self, sa, sb, views, tol, first_module=None, any_differs=()):
         self.sa, self.sb, self.views, self.tol = sa, sb, views, tol
+        self.first_module = first_module or {}
+        self.any_differs = any_differs
 
     def __call__(self, k: int):
         ra, ca = self.sa.where[k]
@@ -158,6 +169,13 @@ def _walk(walker_for, sa, sb, k, fin_a, fin_b, module_rows) -> Origin | None:
         via = _through_attention(walker_for, sa, k, d, module_rows)
         if isinstance(via, str):  # the other token's rows differ before this module: k's first difference is here
             o.note = via
+        elif via is not None:
+            return via
+    elif d.kind == "op" and reads_other_tokens(d.op):
+        via = _through_kv_rows(walker_for, sa, k, d)
+        if isinstance(via, str):  # an earlier token's K/V rows differ, and where they first do is not proven
+            o.note = via
+            o.uncompared = [via]
         elif via is not None:
             return via
     return o
@@ -212,6 +230,72 @@ def _through_attention(walker_for, sa: TraceTokens, k: int, d: Divergence, modul
                     f"position {px} of its sequence")
     o.uncompared = walker.uncompared_inputs(dx) if dx.kind == "op" else []
     return o
+
+
+def _through_kv_rows(walker_for, sa: TraceTokens, k: int, d: Divergence, hops: int = 0):
+    """Where `d` (for token k) parts at an attention op whose inputs' rows of k are equal: the op reads the K/V rows
+    of the earlier tokens of k's sequence too. The earliest such token x (same root call) whose rows of the op's
+    inputs differ is where k's difference comes from: x is walked from where its rows first differ (the sweep's
+    first differing module for x; that module's inputs equal for x), and k is counted there. None where every
+    earlier token's rows of the op's inputs are equal (k's inputs are then all equal: the op is the origin); a
+    note (str) where x's first difference cannot be localized (k's op stays, its inputs not all equal)."""
+    ra, ca = sa.where[k]
+    g = sa.index.grids[ra]
+    seq, pos = g.seq[ca], g.pos[ca]
+    cands = []
+    for x in walker_for.any_differs:
+        if x == k or x not in sa.where:
+            continue
+        rx, cx = sa.where[x]
+        if rx == ra and g.seq[cx] == seq and g.pos[cx] < pos:
+            cands.append((g.pos[cx], x))
+    cands.sort()
+    for n, (px, x) in enumerate(cands):
+        if n == MAX_KV_CHECKS:
+            return (f"the op reads the K/V rows of the earlier tokens of its sequence; those of more than "
+                    f"{MAX_KV_CHECKS} earlier tokens differ somewhere and were not all checked")
+        walker, cells = walker_for(x)
+        if cells[2] != walker_for.sb.where[k][0] or not _op_inputs_differ(walker, d):
+            continue
+        reach = (f"reaches the token at position {pos} through attention over the K/V rows of the token at position "
+                 f"{px} of its sequence")
+        dx = _first_difference(walker, x, walker_for.first_module)
+        if dx is None or dx.cause != "origin":
+            return (f"{reach}, whose first difference is not localized: the attention's inputs are not all equal for "
+                    "the token")
+        o = Origin(dx, x, cells, {k}, order=_order(walker.a, dx, cells[0]), kind=dx.kind,
+                   offset=_offset(walker.a, dx), note=reach)
+        o.uncompared = walker.uncompared_inputs(dx) if dx.kind == "op" else []
+        if dx.kind == "op" and reads_other_tokens(dx.op) and not o.uncompared and hops < MAX_HOPS:
+            via = _through_kv_rows(walker_for, sa, x, dx, hops + 1)  # x's own difference came through attention
+            if isinstance(via, Origin):
+                via.tokens, via.note = {k}, reach
+                return via
+            if isinstance(via, str):
+                o.note, o.uncompared = f"{reach}; {via}", [via]
+        return o
+    return None
+
+
+def _op_inputs_differ(walker, d: Divergence) -> bool:
+    """Whether the rows of token (the walker's) in the inputs of d's op differ on the two sides."""
+    if d.index is None or d.index_b is None:
+        return False
+    ins_a, ins_b = walker.a.rin[d.index], walker.b.rin[d.index_b]
+    return len(ins_a) == len(ins_b) and any(not walker.cmp.same(va, vb) for va, vb in zip(ins_a, ins_b))
+
+
+def _first_difference(walker, x: int, first_module: dict) -> Divergence | None:
+    """x's first difference: inside the module call whose output rows of x differ first (the sweep's), or None."""
+    got = first_module.get(x)
+    if got is None:
+        return None
+    path, _, n = got[1].partition(" #")
+    ca = next((c for c in walker.a.calls.values() if c.module == path and c.call == (int(n) if n else 0)), None)
+    cb = walker.pairing.partner(ca) if ca is not None else None
+    if cb is None or not walker.differs(ca, cb):
+        return None
+    return walker.localize(ca, cb)
 
 
 def _cells(sa, sb, k):
