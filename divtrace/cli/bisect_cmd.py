@@ -68,8 +68,10 @@ def render_bisect(o: Output, r) -> None:
             rows.append(["layouts", sh["why"]])
             rows += [[f"block ({s})", sh[f"block_{s}"]] for s in ("a", "b") if sh.get(f"block_{s}")]
             rows += [[f"note ({s})", sh[f"note_{s}"]] for s in ("a", "b") if sh.get(f"note_{s}")]
+            if sh.get("partial"):  # which rank's partial sum differs, by how much (or why no rank is named)
+                rows.append(["partial sums", sh["partial"]])
         if f["metrics_available"] and f["mismatched"] is not None:
-            rows += [["mismatched", f"{f['mismatched']} of {f['numel']} elements"],
+            rows += [["mismatched", f"{f['mismatched']} of {f['numel']} elements" + _piece_words(f)],
                      ["max abs / max rel", f"{f['max_abs']:.6g} / {f['max_rel']:.6g}" if f["max_abs"] is not None else "-"],
                      ["max ULP", f["max_ulp"] if not f.get("sign_flips") else
                       f"{f['max_ulp']} where the signs agree; {f['sign_flips']} sign flips (through zero: "
@@ -107,6 +109,13 @@ def render_bisect(o: Output, r) -> None:
                  ["argmax agreement", fin.get("argmax_agreement")]])
         if fin.get("caveat"):
             o.line(f"caveat: {fin['caveat']}")
+
+
+def _piece_words(f: dict) -> str:
+    """" of rank 1's partial sum": whose elements the metrics count, where the value is held as the ranks' pieces
+    (the first differing rank's: divtrace.compare.shard_pieces)."""
+    got = (f.get("shards") or {}).get("metrics_of")
+    return f" of {got}" if got else ""
 
 
 def bisect(

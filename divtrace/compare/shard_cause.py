@@ -3,12 +3,15 @@
 Where one side is a sharded run (divtrace.align.shards.view.RunView), the origin's op region says how each side
 computed the value: "o_proj: 2 partial matmuls summed by all_reduce on a, one matmul over K=1024 on b"; a value
 whose blocks were computed on separate ranks says so, and, where the bytes are stored, in which rank's block the
-first difference lies. A value whose replicas differ is named as such.
+first difference lies. A value whose replicas differ is named as such. A partial sum that differs names the ranks
+whose partials differ, each with its own count (divtrace.compare.shard_pieces).
 
 In: a Divergence and the two traces (or run views). Out: `Divergence.shards` ({"a", "b", "why", ...}) and the
 run's replica findings as warnings.
 """
 from __future__ import annotations
+
+from divtrace.compare.shard_pieces import describe as partial_pieces
 
 _MATMULS = {"mm", "addmm", "bmm", "linear", "matmul"}
 
@@ -200,6 +203,7 @@ def describe(d, ta, tb) -> dict | None:
     rows = _differing_rows(ta, tb, d.vid_a, d.vid_b)
     if rows is not None:
         out["rows"] = rows
+    out.update(partial_pieces(ta, tb, d))  # a partial sum (or the ranks' own pieces): which rank's differs, by how much
     out["why"] = f"{module}: {out['a']} on a, {out['b']} on b"
     if rows and "slot" in rows[0]:  # routed rows: which (token, slot) rows, computed where
         out["why"] = _routed_why(module, rows, [_rank_count(t, v) for t, v in ((ta, d.vid_a), (tb, d.vid_b))])

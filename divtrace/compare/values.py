@@ -190,7 +190,14 @@ class ValueComparator:
         """Value metrics, or None when either side holds only fingerprints."""
         key = (va, vb)
         if key not in self._diffs:
-            if self.a.has_bytes(va) and self.b.has_bytes(vb):
+            pieces = False
+            if self._runs:  # held as the ranks' pieces on both sides: the differing rank's, not the representative's
+                from divtrace.compare.shard_pieces import pair_diff
+
+                pieces, got = pair_diff(self.a, self.b, va, vb, self.tol)
+            if pieces:
+                self._diffs[key] = got
+            elif self.a.has_bytes(va) and self.b.has_bytes(vb):
                 from divtrace.compare.metrics import compare_tensors
 
                 self._diffs[key] = compare_tensors(self.a.tensor(va), self.b.tensor(vb), self.tol)

@@ -65,6 +65,12 @@ class RankLocal(tuple):
             return None
         return self[2][:start], tuple(tuple(p[1]) for p in pieces)
 
+    def pieces(self) -> tuple:
+        """Each rank's key of a key that holds pieces, in mesh or group order (as the run's plan lists the ranks);
+        () for one that names a place."""
+        start = _PIECES.get(self[2][0])
+        return () if start is None else tuple(self[2][start:])
+
 
 class ReplicaMismatch(tuple):
     """(dtype, shape, description): a value whose replicas disagree; equal to nothing."""

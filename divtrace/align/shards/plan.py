@@ -52,6 +52,9 @@ class ValuePlan:
     layout: tuple | None = None  # (placements, mesh ranks, src, why) of the representative's layout
     real: tuple | None = None  # a derived view's blocks: the key of their bytes (the partials' sum; `key` is derived)
     routed: bool = False  # routed rows ("T"): each block's third item is its rows' global rows, not offsets
+    # A key that holds the ranks' pieces (a partial sum, the ranks' own pieces): (rank, its vid) of each piece, in the
+    # key's order, so a difference can be told rank by rank (divtrace.compare.shard_pieces); None for other values
+    pieces: tuple | None = None
 
 
 @dataclass
@@ -235,7 +238,8 @@ class Planner:
         if lay.pending:
             pieces = tuple(p[2] for p in peers.values())  # (compared only with a partial sum laid out the same way)
             return ValuePlan(RankLocal((key0[0], key0[1], ("partial", tuple(lay.placements)) + pieces)),
-                             "local", note="a partial sum before its reduction", layout=desc)
+                             "local", note="a partial sum before its reduction", layout=desc,
+                             pieces=tuple((q, p[0]) for q, p in peers.items()))
         if lay.routed:
             return _routed_plan(key0, vid, lay, peers, desc)
         boxes: dict[tuple, list] = {}
@@ -284,14 +288,16 @@ class Planner:
                 return ValuePlan(RankLocal((key0[0], key0[1], ("unverified", r0, vid))), "local",
                                  note="a missing rank may hold the rest of it")
             return ValuePlan(key0, "whole", tuple(key0[1]))
-        keys = []
+        keys, vids = [], []
         for q in g.ranks:
             vq = self.counterpart(r0, q, vid)
             keys.append(self.traces[q].vkey[vq] if vq is not None else None)
+            vids.append((q, vq))
         if all(k == key0 for k in keys):
             return ValuePlan(key0, "whole", tuple(key0[1]))
         return ValuePlan(RankLocal((key0[0], key0[1], ("local",) + tuple(keys))), "local",
-                         note="each rank holds its own piece, and no layout says how they make the whole")
+                         note="each rank holds its own piece, and no layout says how they make the whole",
+                         pieces=tuple(vids))
 
 
 def _routed_plan(key0, vid: int, lay, peers: dict, desc) -> ValuePlan:
