@@ -59,13 +59,15 @@ def test_an_absorbed_difference_is_absorbed_under_call_alignment(tmp_path, mode)
     r = divtrace.bisect(tmp_path / "a", tmp_path / "b", align="calls")
     assert r.verdict == "absorbed" and r.first is None and r.next == []
     assert {x["module"] for x in r.absorbed} == {"fc1"}
+    # the op's output that differs, and the weight that differs (compared by name: compare/params.py)
+    assert [x["kind"] for x in r.absorbed] == ["op", "parameter"] and r.absorbed[1]["name"] == "fc1.weight"
     cli = [sys.executable, "-m", "divtrace", "bisect", str(tmp_path / "a"), str(tmp_path / "b")]
     res = subprocess.run(cli + ["--json"], capture_output=True, text=True)
     assert res.returncode == 4, res.stdout + res.stderr
     d = json.loads(res.stdout)
     assert d["verdict"] == "absorbed" and d["first"] is None and d["absorbed"][0]["module"] == "fc1"
     human = subprocess.run(cli, capture_output=True, text=True)
-    assert human.returncode == 4 and "PASSED: final outputs identical; 1 internal difference(s) absorbed" in human.stdout
+    assert human.returncode == 4 and "PASSED: final outputs identical; 2 internal difference(s) absorbed" in human.stdout
 
 
 @pytest.mark.parametrize("mode", ["hash", "full"])

@@ -34,7 +34,8 @@ def test_closed_trace_carries_checksums(pair):
     assert meta["checksums"]["records"]["sha256"] == hashlib.sha256((a / "records.jsonl").read_bytes()).hexdigest()
     # Shards carry no digest of their own: every tensor in them is checked against its fingerprint.
     assert meta["checksums"]["shards"] == {} and meta["shards"]
-    assert all(set(json.loads(line)) == {"records", "sha256"}
+    # (and the files beside records.jsonl: params.jsonl, token files; never a shard)
+    assert all(set(json.loads(line)) <= {"records", "sha256", "files"}
                for line in (a / "checksums.jsonl").read_text().splitlines())
     Trace(a).verify_shards()
     assert cli("show", a, "--check")[0] == 0
@@ -285,7 +286,9 @@ def test_durable_fsyncs_the_data_before_the_meta_that_vouches_for_it(tmp_path, m
         m(tiny_input())
     shards = sorted(p.name for p in (tmp_path / "t").glob("tensors-*.safetensors"))
     assert (len(shards) > 1) is (mode == "full") and (mode == "full" or not shards)
-    assert synced == (["t/records.jsonl", *(f"t/{s}" for s in shards), "<meta temp>", "t", "."] if durable else [])
+    # (the files beside records.jsonl first: params.jsonl, the parameter names)
+    assert synced == (["t/params.jsonl", "t/records.jsonl", *(f"t/{s}" for s in shards), "<meta temp>", "t", "."]
+                      if durable else [])
     t = Trace(tmp_path / "t")
     assert t.complete and len(t.records) > 3
 

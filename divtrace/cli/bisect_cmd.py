@@ -8,6 +8,7 @@ import typer
 
 from divtrace.cli.output import Output
 from divtrace.cli.token_render import origin_words, render_token_parts, token_verdict_line
+from divtrace.compare.params import param_line
 
 
 def _shipped_maps() -> list[str]:
@@ -22,6 +23,7 @@ def render_bisect(o: Output, r) -> None:
     d = r.to_dict()
     la, lb = r.labels
     tokens = d.get("alignment") == "tokens"
+    line = param_line(d.get("parameters"))  # which weights differ: first, for a user fixing weight sync
     if tokens:
         token_verdict_line(o, r, d)
     elif r.verdict == "identical":
@@ -33,8 +35,12 @@ def render_bisect(o: Output, r) -> None:
     elif r.verdict == "absorbed":
         o.passed(f"final outputs identical; {len(r.absorbed)} internal difference(s) absorbed (they reach no output: "
                  f"not origins) [{la} vs {lb}]")
+        if line:
+            o.line(line)
+            line = None
         o.table("absorbed (differ inside, never reach an output; not origins)", ["module", "call", "kind", "op"],
-                [[x["module"] or "<root>", x["call"], x["kind"], x["op"] or "-"] for x in r.absorbed[:12]])
+                [[x["module"] or "<root>", "-" if x["call"] is None else x["call"], x["kind"],
+                  x["op"] or x.get("name") or "-"] for x in r.absorbed[:12]])
     elif r.verdict == "inconclusive":
         c = r.coverage
         seen = (f"{r.compared} tensor pairs compared over {c.calls_compared} call pairs, all equal" if r.compared
@@ -44,6 +50,8 @@ def render_bisect(o: Output, r) -> None:
         o.failed(f"diverged: first divergence originates in {origin_words(r.first)} [cause: {r.first.cause}]")
         if not all(r.complete) or r.coverage.parted:  # the reason says what may be missing past the origin
             o.line(f"note: {r.reason}")
+    if line:
+        o.line(line)
     for w in r.warnings:
         o.warn(w)
     if r.first is not None:

@@ -85,7 +85,9 @@ def render_token_parts(o: Output, d: dict) -> None:
     if d.get("absorbed"):
         o.table("absorbed (differ inside, never reach a differing logprob; not origins: latent batch variance)",
                 ["module", "call", "kind", "op", "tokens"],
-                [[x["module"] or "<root>", x["call"], x["kind"], _ops_text(x), x["tokens"]] for x in d["absorbed"][:12]])
+                [[x["module"] or "<root>", "-" if x["call"] is None else x["call"], x["kind"],
+                  x.get("name") or _ops_text(x), "-" if x["tokens"] is None else x["tokens"]]
+                 for x in d["absorbed"][:12]])
     if tk.get("modules"):
         o.table("tokens whose output differs, per module (forward order)", ["module", "tokens"],
                 [[m or "<root>", n] for m, n in list(tk["modules"].items())[:16]])

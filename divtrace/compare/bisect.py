@@ -17,6 +17,7 @@ from divtrace.align.calls import Pairing, folded_pairing
 from divtrace.align.paths import PathMap
 from divtrace.compare.diffs import Tolerance
 from divtrace.compare.final_outputs import final_outputs, final_summary
+from divtrace.compare.params import absorbed_entries, compare_parameters
 from divtrace.compare.results import BisectResult, Divergence, settings_diff, trace_seen
 from divtrace.compare.values import ValueComparator
 from divtrace.compare.verdict import INCONCLUSIVE, decide
@@ -269,6 +270,9 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
         absorbed = [_absorbed_entry(d) for d in (first, *nxt)]
         first, nxt = None, []
         _verify_stored(ta, tb)  # (as for identical)
+    params = compare_parameters(ta, tb, path_map)  # (by name: never moves the origin, compare/params.py)
+    if first is None:
+        absorbed += absorbed_entries(params)  # a weight that differs where no output reads it: never "identical"
     v = decide(origin_found=first is not None, within_tolerance=verdict == "within_tolerance",
                final_compared=final_compared, final_equal=final_equal, a=trace_seen(ta, "a", tb),
                b=trace_seen(tb, "b", ta), calls_compared=len(aligned), only_a=unmatched["a"], only_b=unmatched["b"],
@@ -288,7 +292,7 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
         metrics_available=cmp.values_available, complete=(ta.complete, tb.complete), unmatched=unmatched,
         warnings=warnings, hint=hint, bitwise_differs=cmp.bitwise_differs, compiled=compiled,
         tolerance=None if cmp.tol is None else {"atol": cmp.tol.atol, "rtol": cmp.tol.rtol, "ulp": cmp.tol.ulp},
-        absorbed=absorbed)
+        absorbed=absorbed, parameters=params)
 
 
 first_divergence = bisect

@@ -106,6 +106,7 @@ class BisectResult:
     reason: str = ""  # why this verdict (and, when inconclusive, what to do next)
     coverage: Coverage | None = None
     absorbed: list = field(default_factory=list)  # differences that reach no output (verdict "absorbed")
+    parameters: dict | None = None  # the runs' parameters compared by name (divtrace.compare.params)
 
     @property
     def exit_code(self) -> int:
@@ -121,4 +122,4 @@ class BisectResult:
                 "complete": {"a": self.complete[0], "b": self.complete[1]}, "unmatched_calls": self.unmatched,
                 "bitwise_differs": self.bitwise_differs, "tolerance": self.tolerance,
                 "warnings": self.warnings, "hint": self.hint, "compiled": self.compiled,
-                "absorbed": list(self.absorbed)}
+                "absorbed": list(self.absorbed), "parameters": self.parameters}

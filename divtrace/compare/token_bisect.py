@@ -25,6 +25,7 @@ from divtrace.align.paths import PathMap
 from divtrace.align.tokens import TraceTokens, shared_tokens
 from divtrace.align.views import TokenViews
 from divtrace.compare.diffs import Tolerance
+from divtrace.compare.params import absorbed_entries, compare_parameters
 from divtrace.compare.results import BisectResult, Divergence, settings_diff, trace_seen
 from divtrace.compare.token_finals import compare_finals, final_values, finals_report, unattributed
 from divtrace.compare.token_origins import Origin, find_origins, position_diffs
@@ -112,6 +113,10 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
     warnings = _warnings(ta, tb, tokens, fin)
     derivation_only = any(o.kind == "derivation" for o in found) and not real
     internal = len(absorbed) + (len(sw.any_differs - final_differ) if not absorbed else 0)
+    params = compare_parameters(ta, tb, path_map)  # (by name: never moves an origin, compare/params.py)
+    if not real:  # a weight that differs where no token's output reads it: never "identical"
+        absorbed += absorbed_entries(params)
+        internal += len(params["differ"])
     ver = decide(origin_found=bool(real), within_tolerance=False, final_compared=fin.compared > 0,
                  final_equal=not fin.differ, a=trace_seen(ta, "a", tb), b=trace_seen(tb, "b", ta),
                  calls_compared=len(shared), only_a=tokens["only_a"], only_b=tokens["only_b"], unit="tokens",
@@ -154,7 +159,7 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
         bitwise_differs=tokens["differing"], tolerance=None, tokens=tokens, origins=origins, absorbed=absorbed,
         first_extra=first_extra, reason=reason, coverage=ver.coverage,
         first_cells=first_o.cells if first_o is not None else None, token_sides=(sa, sb), module_rows=sw.module_rows,
-        token_order=order, origin_cells=origin_cells, origin_divs=[o.d for o in found])
+        token_order=order, origin_cells=origin_cells, origin_divs=[o.d for o in found], parameters=params)
 
 
 _DERIV = "fp32 log_softmax of the logits row, gathered at the next token's id"

@@ -11,11 +11,19 @@ for its verdict, so "identical" means the same thing everywhere:
   was recorded ran); the reason then says which trace is incomplete.
 - **absorbed** (exit 4): as identical, except that some internal values differ: every compared final output
   is bitwise equal, and the differences inside never reach one (an fp32 mean whose last bit the bf16 rounding
-  after it absorbs). Neither identical nor diverged; the absorbed differences are listed.
+  after it absorbs), or a parameter or buffer compared by name differs (a weight no output of this batch reads:
+  an embedding row no token looks up, an MoE expert no token was routed to; divtrace.compare.params). Neither
+  identical nor diverged; the absorbed differences are listed, each differing parameter by its name.
 - **inconclusive** (exit 3): anything else, and it wins over absorbed. The reason names the trace, its status,
   how far it got, and what to do next; or the coverage gap (tokens only one side fed, calls left unpaired) that
   makes "identical" impossible; or, for a run directory whose ranks ran different ops (`parted`), where they part
   (the record, each rank's op and its module): divtrace saw those ops, but past them nothing can be compared.
+
+Parameters: a parameter is an op input from outside, which no walk along values compares; the traces name them
+and the callers compare them by name (same dtype and shape; names that do not pair are not compared, never called
+different). A differing parameter counts as an absorbed difference (`absorbed` below) where no origin was found; it
+never makes an origin, never moves one, and never turns inconclusive into anything else. Where the runs diverged,
+the differing parameters are reported beside the origin (`parameters`).
 
 The function is pure (no torch, no trace reading): callers say what they saw. `progress` turns a trace that
 stopped early into words, from duck-typed traces (`.calls` of `ModuleCall`s, `.path`).
@@ -163,7 +171,8 @@ def decide(*, origin_found: bool, within_tolerance: bool, final_compared: bool, 
         tolerance given). final_note says why they were not compared, in words.
     a, b: each trace's path, completeness, status, progress and `unseen` list.
     calls_compared, only_a, only_b: the coverage counts (of `unit`: "calls" or "tokens").
-    absorbed: internal differences that reach no compared final output (then, at best, absorbed: exit 4).
+    absorbed: internal differences that reach no compared final output, differing parameters included (then, at
+        best, absorbed: exit 4).
     gaps: coverage gaps in words (tokens one side fed and the other did not; calls left unpaired): inconclusive,
         reason "coverage: ...", unless an origin was found.
     final_local: the final outputs pair up but were not compared, a run directory's side holding them only as its

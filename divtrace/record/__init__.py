@@ -26,7 +26,7 @@ def routed(rows, *, tokens, slots, n_tokens: int, top_k: int, experts=None) -> N
 
 def record(model, path, *, mode="full", ops=None, label=None, include=None, exclude=None, overwrite=False,
            shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False, tokens=True,
-           token_layouts=None, compiled=None, layouts=None, mesh=None) -> Recorder:
+           token_layouts=None, compiled=None, layouts=None, mesh=None, params=None) -> Recorder:
     """Record every module call (and, with ops=True, every aten op) of `model` run inside the block into `path`.
     `model` is a `torch.nn.Module`, or a `vllm.LLM` (in-process, eager: see divtrace/record/engines/vllm.py).
 
@@ -56,6 +56,11 @@ def record(model, path, *, mode="full", ops=None, label=None, include=None, excl
     whole world, as "world"); a dict {"output": spec, "input": spec} declares a module's first input too
     (divtrace/record/declared.py). Outside a process group they are checked and ignored.
 
+    Parameters and buffers: each one an op reads is named in the trace (params.jsonl), so bisect compares the two
+    runs' weights by name (no extra read: the recording fingerprints what ops read anyway). `params="all"` (the
+    default with ops=True) also fingerprints, at the block's end, those no op read (an MoE expert no token was
+    routed to); `params="read"` names only what was read (the default with ops=False, where no op is recorded).
+
     Example::
 
         with divtrace.record(model, "runs/train", mode="hash", label="train"):
@@ -67,7 +72,8 @@ def record(model, path, *, mode="full", ops=None, label=None, include=None, excl
 
     kwargs = dict(mode=mode, ops=ops, label=label, include=include, exclude=exclude, overwrite=overwrite,
                   shard_bytes=shard_bytes, extra_meta=extra_meta, flush_records=flush_records, durable=durable,
-                  tokens=tokens, token_layouts=token_layouts, compiled=compiled, layouts=layouts, mesh=mesh)
+                  tokens=tokens, token_layouts=token_layouts, compiled=compiled, layouts=layouts, mesh=mesh,
+                  params=params)
     if not isinstance(model, torch.nn.Module):  # an inference engine (a vllm.LLM): its adapter, if there is one
         from divtrace.record.engines import engine_recorder
 

@@ -31,12 +31,14 @@ from divtrace.record.device import attach, wants_device_path
 from divtrace.record.lifecycle import ACTIVE, ACTIVE_MODELS, STATE, SignalHandlers, closing_status
 from divtrace.record.module_calls import ModuleCalls, compile_filters
 from divtrace.record.op_records import OpRecorder
+from divtrace.record.param_names import ParamNames
 from divtrace.record.settings import numerics_settings, run_environment
 from divtrace.record.token_rows import TokenRows
 from divtrace.record.values import ValueIdentity
 from divtrace.trace.derived_views import VIEW_KEY
 from divtrace.trace.writer import TraceWriter
 from divtrace.trace.layouts import LAYOUTS
+from divtrace.trace.param_names import PARAMS, ParamNameWriter
 from divtrace.trace.token_store import TOKEN_FILES
 
 
@@ -63,7 +65,7 @@ class Recorder:
 
     def __init__(self, model, path, *, mode="full", ops=None, label=None, include=None, exclude=None,
                  overwrite=False, shard_bytes=128 << 20, extra_meta=None, flush_records=4096, durable=False,
-                 tokens=True, token_layouts=None, compiled=None, layouts=None, mesh=None):
+                 tokens=True, token_layouts=None, compiled=None, layouts=None, mesh=None, params=None):
         if not isinstance(model, torch.nn.Module):
             raise DivtraceError(f"record() needs a torch.nn.Module (or a vllm.LLM), got {type(model).__name__}")
         if mode not in ("full", "hash"):
@@ -71,6 +73,8 @@ class Recorder:
         from divtrace.record.compiled.session import resolve  # torch.compile: divtrace/record/compiled, docs/compiled.md
 
         self.compiled, ops, self._regions = resolve(model, compiled, ops)
+        if params not in (None, "read", "all"):
+            raise DivtraceError(f"params must be 'read', 'all' or None, got {params!r}")
         from divtrace.record.ranks import current_rank, rank_path  # a rank of a sharded run: docs/sharded.md
 
         from divtrace.record.declared import declares_routed
@@ -105,6 +109,10 @@ class Recorder:
         stack: list = []
         self.token_rows = TokenRows(tokens, token_layouts, stack, self.warnings)
         self.values = ValueIdentity(mode, self.token_rows, self.warnings)
+        # Parameter names (record/param_names.py); params=None: unread ones fingerprinted too where ops are
+        # recorded (there a dense model's ops read every weight: nothing more is read; docs/performance.md)
+        self.param_names = ParamNames(unread=params == "all" or (params is None and bool(ops)))
+        self.values.names = self.param_names
         self.calls = self.calls_class(model, include_re, exclude_re, stack, self.values, self.token_rows,
                                       self.warnings)
         self.op_records = OpRecorder(self.calls, self.values)
@@ -125,6 +133,7 @@ class Recorder:
 
         modules = recorded_modules(self.model)  # torch.compile's `_orig_mod.` wrappers left out of the paths
         self.calls.root = modules[0][1]
+        self.param_names.modules = modules
         self._session = CompiledSession(self, modules, self._regions, self.compiled)
         meta = {"label": self.label, "ops": self.ops, "include": self._include_src, "exclude": self._exclude_src,
                 "model_class": type(self.model).__name__, "settings": numerics_settings(), "view_key": VIEW_KEY,
@@ -137,7 +146,8 @@ class Recorder:
                                   shard_bytes=self._shard_bytes, flush_records=self._flush_records,
                                   durable=self._durable,
                                   checksummed_files=(TOKEN_FILES if self.token_rows.on else ())
-                                  + ((LAYOUTS,) if self.rank is not None else ()))
+                                  + ((LAYOUTS,) if self.rank is not None else ()) + (PARAMS,))
+        self.param_names.out = ParamNameWriter(self.writer)
         self.calls.writer = self.values.writer = self.op_records.writer = self.writer
         self.token_rows.open(self.writer)
         if wants_device_path(device):  # fingerprints on the device, nothing waits for it (divtrace.record.device)
@@ -230,6 +240,11 @@ class Recorder:
             # A signal held while an exception was already on its way out is settled here, not later.
             held, STATE.deferred = STATE.deferred, None
             tokens = self.token_rows.close()
+            if exc_type is None and not self.writer.failed:
+                try:
+                    self.param_names.finish()
+                except Exception as e:  # (a parameter that cannot be read: the trace is closed all the same)
+                    self.warnings.append(f"unread parameters not fingerprinted: {type(e).__name__}: {e}")
             extra = {"tokens": tokens} if tokens and tokens["grids"] else {}
             if self.rank is not None:
                 from divtrace.record.ranks import closing_meta

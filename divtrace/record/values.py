@@ -174,6 +174,7 @@ class ValueIdentity:
     """Value ids of the tensors one recording meets, and the versions they were seen at (one per Recorder)."""
 
     block_fp = None  # a rank's Placements.block_fp: an op result's (hash, stats) taken with its partial, or None
+    names = None  # the recording's ParamNames (record/param_names.py): values from outside that are parameters
 
     def __init__(self, mode: str, tokens, warnings_out: list):
         self.mode = mode  # "full" or "hash"
@@ -248,6 +249,8 @@ class ValueIdentity:
         v = self.writer.new_value(t, producer=None, fp=fp)
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
+        if self.names is not None:  # a parameter or buffer of the model: its name (record/param_names.py)
+            self.names.seen(t, v.vid)
         if self._tokens.grid is not None and (boundary or _had_rows(self._tokens, entry)):
             # (op inputs from outside are parameters and buffers: no rows. A value with rows that an op rewrote
             # through a view (vLLM's linears write into an empty buffer's reshape, and the buffer is the module's
@@ -276,6 +279,8 @@ class ValueIdentity:
             settled = True
         new_values.append(v)
         self._tensors[t] = (v.vid, version, v)
+        if self.names is not None:  # (a line for a value the writer thread drops again is ignored when read)
+            self.names.seen(t, v.vid)
         if tokens.grid is not None and (boundary or _had_rows(tokens, entry)):
             tokens.rows(v.vid, t, root_output)
         # Unsettled stays unsettled (when the bytes turn out old's, the old value was too: re-read all the same).

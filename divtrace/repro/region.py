@@ -98,8 +98,12 @@ def _first_divergence(ta: Trace, tb: Trace, path_map: PathMap | None):
         raise Inconclusive(f"{ta.path} and {tb.path}: no divergence found to reproduce, and the comparison is "
                            f"inconclusive: {r.reason}")
     if r.first is None and not (r.verdict == "diverged" and getattr(r, "origins", None)):
+        from divtrace.compare.params import param_line
+
+        weights = param_line(r.parameters) if r.parameters and r.parameters.get("differ") else None
         raise DivtraceError(f"{ta.path} and {tb.path}: no divergence ({r.verdict}: {r.compared} tensor pairs compared, "
-                            "all bitwise equal); there is nothing to reproduce")
+                            + (f"every final output bitwise equal; {weights}" if weights else "all bitwise equal")
+                            + "); there is nothing to reproduce")
     return r
 
 

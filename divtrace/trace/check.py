@@ -3,7 +3,8 @@
 Opening the trace already verified records.jsonl against its sha256 and validated every record. Here every
 stored tensor is checked against its fingerprint (and, in older traces that carry one, every shard file
 against its sha256 first), every view stored as "rebuild from the op" against the fingerprint derived from
-its op and input, and the token files against their sha256 and line by line (divtrace/trace/token_checks.py).
+its op and input, the token files against their sha256 and line by line (divtrace/trace/token_checks.py), and
+params.jsonl likewise (divtrace/trace/param_names.py).
 (meta.json was checked against the records when the trace was opened, see trace/integrity.py; a file of the trace
 that cannot be read but is not needed, a closed trace's checksums.jsonl, is a problem here.)"""
 from __future__ import annotations
@@ -34,6 +35,13 @@ def check_trace(t) -> dict:
         problems += t.warnings
     problems += t.file_problems  # a file of the trace that cannot be read (each also a warning when opened)
     problems += token_problems
+    if getattr(t, "run", None) is None:  # the parameter names (trace/param_names.py): bytes and lines
+        from divtrace.trace.param_names import read_param_names
+
+        try:
+            read_param_names(t)
+        except DivtraceError as e:
+            problems.append(str(e))
     if not t.complete:
         problems.append(f"{t.path}: trace is incomplete (status: {t.status})")
     tokens = None

@@ -15,6 +15,7 @@ from divtrace.errors import DivtraceError
 from divtrace.oserrors import os_reason
 from divtrace.trace.files import CHECKSUMS, META, RECORDS, SHARD_GLOB
 from divtrace.trace.layouts import LAYOUTS
+from divtrace.trace.param_names import PARAMS
 from divtrace.trace.token_store import TOKEN_FILES
 
 LOCK = ".divtrace-lock"  # {"pid", "host"} of the process recording into the directory; removed at close
@@ -114,7 +115,7 @@ def prepare_trace_dir(path: Path, overwrite: bool) -> tuple[Path, bool]:
                 raise DivtraceError(f"{path}: already holds a trace (pass overwrite=True / --overwrite to "
                                     "replace it)")
             for p in entries:
-                if p.name in (META, RECORDS, CHECKSUMS, *TOKEN_FILES, LAYOUTS) or p.match(SHARD_GLOB) or p.name.endswith(".tmp"):
+                if p.name in (META, RECORDS, CHECKSUMS, *TOKEN_FILES, LAYOUTS, PARAMS) or p.match(SHARD_GLOB) or p.name.endswith(".tmp"):
                     p.unlink()
         elif entries:
             raise DivtraceError(f"{path}: directory is not empty and holds no trace; choose a new directory")
@@ -137,7 +138,7 @@ def remove_if_created(path: Path, created: bool) -> bool:
         return False
     try:
         for p in path.iterdir():
-            if p.name in (META, RECORDS, CHECKSUMS, LOCK, ".divtrace-write-probe", *TOKEN_FILES, LAYOUTS) \
+            if p.name in (META, RECORDS, CHECKSUMS, LOCK, ".divtrace-write-probe", *TOKEN_FILES, LAYOUTS, PARAMS) \
                     or p.name.endswith(".tmp"):
                 p.unlink()
         path.rmdir()

@@ -116,7 +116,7 @@ def verify_runs(entry_a: str, entry_b: str, *, args_a: dict | None = None, args_
         unpaired = sum(r.unmatched.values())
         d = r.to_dict()
         m = {"compared": r.compared, "unmatched_calls": r.unmatched, "first": d["first"], "verdict": r.verdict,
-             "reason": r.reason, "coverage": d["coverage"]}
+             "reason": r.reason, "coverage": d["coverage"], "parameters": d.get("parameters")}
         if r.verdict == "identical" and not unpaired:
             checks.append(Check("traces", "end_to_end", PASSED,
                                 f"every one of {r.compared} compared tensors bitwise equal, every module call "
@@ -126,6 +126,12 @@ def verify_runs(entry_a: str, entry_b: str, *, args_a: dict | None = None, args_
         elif r.verdict == "identical":
             checks.append(Check("traces", "end_to_end", FAILED, f"compared records agree but {r.unmatched['a']} calls "
                                 f"are only in a and {r.unmatched['b']} only in b", m))
+        elif r.first is None:  # absorbed: every output equal, but something inside (a weight, say) differs
+            from divtrace.compare.params import param_line
+
+            what = param_line(d.get("parameters")) or f"{len(r.absorbed)} internal difference(s)"
+            checks.append(Check("traces", "end_to_end", FAILED, f"{r.verdict}: every final output bitwise equal, but "
+                                f"{what} (bisect the two traces for where)", m))
         else:
             f = r.first
             checks.append(Check("traces", "end_to_end", FAILED, f"diverged: first in {f.module or '<root>'} call "

@@ -1,0 +1,120 @@
+"""The parameter names beside a trace (`params.jsonl`): which parameter or buffer of the recorded model each value
+from outside the root call is, so bisect can compare the two runs' weights by name (divtrace.compare.params).
+
+Written by divtrace.record.param_names; one JSON object per line:
+
+- `{"v": vid, "name": "model.embed_tokens.weight", "kind": "parameter"}`: value `vid` (defined by the op record
+  that first read it, as any value from outside) is that parameter (or `"kind": "buffer"`) as it was when an op of
+  the recording read it. A parameter written in place during the recording and read again has a line per value.
+- `{"name": ..., "kind": ..., "dtype": "torch.float32", "shape": [..], "h": fingerprint}`: a parameter or buffer
+  that no recorded op read, fingerprinted when the block ended (record's `params="all"`): no value, no bytes (in
+  full mode too), only its fingerprint, in the trace's scheme.
+
+Names are `named_parameters()` / `named_buffers()` names relative to the recorded model, torch.compile's `_orig_mod.`
+left out; a tied weight (one tensor under two names) has the first name torch gives it. A DTensor parameter's line
+names its local tensor (the block this rank holds).
+
+The lines are written with the trace's records, under the same checksums (divtrace.trace.side_files: meta.json's
+`file_checksums` names the file from the start), so a killed recording leaves lines a checkpoint vouches for and a
+reader cuts the file back to them; a line that is not whole and well formed is a damaged trace. Lines about values
+the trace does not hold (its record was never written) are ignored. A trace whose `file_checksums` does not name
+the file was recorded before parameters were named: it holds no names (`read_param_names` returns None).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from divtrace.trace.files import compact_encoder
+
+PARAMS = "params.jsonl"
+KINDS = ("parameter", "buffer")
+_LINE = compact_encoder()
+
+
+@dataclass
+class NamedValue:
+    """One value a name held in a recording: its value id (None: fingerprinted unread at the block's end) and key
+    (dtype, shape as a tuple, fingerprint), as Trace.vkey holds keys."""
+
+    vid: int | None
+    key: tuple
+
+
+@dataclass
+class ParamNames:
+    """name -> the values it held, in recording order; kind per name."""
+
+    values: dict[str, list[NamedValue]] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
+
+
+class ParamNameWriter:
+    """Queues the name lines and hands them to the trace writer's checksummed files before each flush of the records
+    (the values they name are defined by records of the same flush or an earlier one). On the device path
+    (trace/device_writer.py) they go out on its writer thread, as a job before the records of the same flush."""
+
+    def __init__(self, writer) -> None:
+        self._writer = writer
+        self._lines: list[str] = []
+        writer.before_flush.append(self.hand_over)
+
+    def add(self, line: dict) -> None:
+        self._lines.append(_LINE(line))
+
+    def hand_over(self) -> None:
+        files = self._writer.files
+        if not self._lines or files is None:
+            return
+        data = ("\n".join(self._lines) + "\n").encode()
+        self._lines = []
+        device = getattr(self._writer, "device", None)  # (attached after the writer was made: asked here)
+        if device is not None:
+            device.submit(lambda settled: files.add(PARAMS, data))
+        else:
+            files.add(PARAMS, data)
+
+
+def read_param_names(trace) -> ParamNames | None:
+    """The parameter names of one trace (a Trace, not a run view), or None when it holds none (recorded before
+    divtrace named parameters). Read as untrusted, as layouts.jsonl: the bytes against the trace's checksums, cut
+    back to what they vouch for; a line that is not a name line is a damaged trace (DivtraceError naming it)."""
+    from divtrace.errors import DivtraceError
+    from divtrace.trace.token_checks import cut_torn_line, json_lines, read_files
+
+    if PARAMS not in (trace.meta.get("file_checksums") or {}):
+        return None
+    data, bad, verified = read_files(trace, (PARAMS,))
+    if bad:
+        raise DivtraceError(f"damaged trace: {bad[PARAMS]}")
+    data = data[PARAMS]
+    if not verified and not trace.meta.get("complete"):
+        data = cut_torn_line(data)
+    out = ParamNames()
+    where = trace.path / PARAMS
+    for n, d in json_lines(data, where):
+        what = _read_line(d, trace, out)
+        if what is not None:
+            raise DivtraceError(f"damaged trace: {where}:{n}: {what}")
+    return out
+
+
+def _read_line(d, trace, out: ParamNames) -> str | None:
+    if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not d["name"] or d.get("kind") not in KINDS:
+        return "not a parameter name line (a JSON object with a name and a kind)"
+    name = d["name"]
+    if "v" in d:
+        if type(d["v"]) is not int:
+            return f"the value id of {name} is malformed"
+        key = trace.vkey.get(d["v"])
+        if key is None:
+            return None  # (a value whose record was never written: ignored)
+        nv = NamedValue(d["v"], key)
+    else:
+        shape, h, dtype = d.get("shape"), d.get("h"), d.get("dtype")
+        if not (isinstance(dtype, str) and isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)
+                and isinstance(h, str) and len(h) == 32):
+            return f"the fingerprint line of {name} has a malformed dtype, shape or fingerprint"
+        nv = NamedValue(None, (dtype, tuple(shape), h))
+    out.values.setdefault(name, []).append(nv)
+    out.kinds.setdefault(name, d["kind"])
+    return None
