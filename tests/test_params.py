@@ -271,6 +271,30 @@ def test_an_unrouted_expert_is_compared_where_unread_weights_are_fingerprinted(t
     assert "head_tied.weight" not in names and len(names) == len(set(names))
 
 
+def test_unread_weights_on_a_device_are_read_back_once_with_the_kernels_fingerprints(tmp_path, monkeypatch):
+    """Unread weights on a device are fingerprinted by torch ops there and read to the host in one go (one wait for
+    the device at the block's end, not one per parameter): forced here on CPU tensors, the lines hold the same
+    fingerprints as the C kernel's, and the hexes are read once."""
+    from divtrace.record import param_names
+    from divtrace.trace.hashing import tensor as hashing_tensor
+
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    m = Experts().eval()
+    for side in ("host", "device"):
+        if side == "device":
+            reads = []
+            real = hashing_tensor.hexes
+            monkeypatch.setattr(param_names, "_read_on_host", lambda t: False)
+            monkeypatch.setattr(hashing_tensor, "hexes", lambda fps: reads.append(len(fps)) or real(fps))
+        with torch.no_grad(), divtrace.record(m, tmp_path / side, mode="hash", params="all"):
+            m(x)
+    lines = {s: [json.loads(x) for x in (tmp_path / s / "params.jsonl").read_text().splitlines()]
+             for s in ("host", "device")}
+    unread = [d for d in lines["device"] if "h" in d]
+    assert len(unread) >= 2 and reads == [len(unread)]
+    assert lines["device"] == lines["host"]
+
+
 def test_a_parameter_replaced_inside_the_block_is_named(tmp_path):
     """A parameter replaced between two calls (`module.weight = nn.Parameter(...)`, a weight sync) is a new tensor
     the name map did not hold: it is named all the same, and its two values compare in recording order."""

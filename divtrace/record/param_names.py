@@ -38,6 +38,11 @@ def _local(t):
     return t
 
 
+def _read_on_host(t) -> bool:
+    """Whether `t` is fingerprinted by the C kernel here (a CPU tensor), else by torch ops on its device."""
+    return t.is_cpu
+
+
 class ParamNames:
     """The names of one recording's parameters and buffers (one per Recorder)."""
 
@@ -91,16 +96,29 @@ class ParamNames:
         """At the block's end (unread=True): a fingerprint line for every parameter and buffer no op read."""
         if not self.unread or self.out is None:
             return
-        from divtrace.trace.hashing.tensor import hash_with_stats
+        from divtrace.trace.hashing.tensor import hash_with_stats, hexes, tensor_fingerprint
 
+        lines, on_device = [], []  # (a device tensor's fingerprint stays there until one read for all of them:
+        # a host read per weight would wait for the device once per parameter of a big MoE)
         for name, t, kind in self._named_tensors():
             if name in self._named:
                 continue
             loc = _local(t)
             if loc is None:
                 continue
+            line = {"name": name, "kind": kind, "dtype": dtype_name(loc.dtype), "shape": list(loc.shape)}
             with torch.no_grad():
-                h, _ = hash_with_stats(loc.detach(), stats=False)
-            self.out.add({"name": name, "kind": kind, "dtype": dtype_name(loc.dtype), "shape": list(loc.shape),
-                          "h": h})
+                if _read_on_host(loc):
+                    line["h"] = hash_with_stats(loc.detach(), stats=False)[0]
+                else:
+                    on_device.append((line, tensor_fingerprint(loc.detach())))
+            lines.append(line)
+        by_device: dict = {}
+        for line, fp in on_device:
+            by_device.setdefault(fp.device, []).append((line, fp))
+        for got in by_device.values():
+            for (line, _), h in zip(got, hexes(torch.stack([fp for _, fp in got]))):
+                line["h"] = h
+        for line in lines:
+            self.out.add(line)
         self._by_id = None
