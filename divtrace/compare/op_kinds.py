@@ -47,6 +47,16 @@ def reads_other_tokens(op: str | None) -> bool:
     return "attention" in name or "attn" in name
 
 
+def attention_module(path: str | None) -> bool:
+    """Whether a module path names an attention module (its last part holds `attn` or `attention`: HF's and vLLM's
+    `self_attn`, vLLM's `attn`, Megatron's `self_attention`/`core_attention`): one whose own code may read the K/V
+    rows of other tokens, in ops no name tells (an attention written in torch ops)."""
+    if not path:
+        return False
+    last = path.rsplit(".", 1)[-1].lower()
+    return "attn" in last or "attention" in last
+
+
 _FInfo = namedtuple("_FInfo", "bits eps max tiny")  # the torch.finfo fields cast_rounds reads
 
 # torch.finfo of the floating dtypes, written out so that telling casts apart needs no torch (a hash-trace

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from divtrace.align.tokens import TraceTokens
 from divtrace.align.views import TokenViews
-from divtrace.compare.op_kinds import reads_other_tokens
+from divtrace.compare.op_kinds import attention_module, reads_other_tokens
 from divtrace.compare.output_walker import OutputWalker
 from divtrace.compare.results import Divergence
 from divtrace.compare.values import TokenComparator
@@ -178,6 +178,10 @@ def _walk(walker_for, sa, sb, k, fin_a, fin_b, module_rows) -> Origin | None:
             o.uncompared = [via]
         elif via is not None:
             return via
+    elif d.kind == "op" and o.uncompared and attention_module(d.module):
+        via = _through_own_code_attention(walker_for, sa, k, d, module_rows)
+        if via is not None:
+            return via
     return o
 
 
@@ -275,6 +279,64 @@ def _through_kv_rows(walker_for, sa: TraceTokens, k: int, d: Divergence, hops: i
                 o.note, o.uncompared = f"{reach}; {via}", [via]
         return o
     return None
+
+
+def _through_own_code_attention(walker_for, sa: TraceTokens, k: int, d: Divergence, module_rows: dict, hops: int = 0):
+    """Where `d` (for token k) parts in the own code of an attention module (self_attn: an engine's attention
+    written in torch ops, or code one side has and the other not), with inputs of the parting ops not compared:
+    the attention reads the K/V rows of the earlier tokens of k's sequence. The earliest such token x whose rows
+    differ inside the module (at its output or any module under it, in any root call) is where k's difference
+    comes from when x's first difference (the sweep's first differing module for x, walked like a token of its
+    own, possibly through attention again) is an earlier op of the forward than k's parting op: k is counted
+    there. None otherwise (x's difference is the same op as k's, such as a rotary multiply every token has: k's
+    op stays k's origin; or it is not localized)."""
+    ra, ca = sa.where[k]
+    g = sa.index.grids[ra]
+    seq, pos = g.seq[ca], g.pos[ca]
+    prefix = d.module + "."
+    cands = set()
+    for label, (_, row) in module_rows.items():
+        if label.split(" #")[0] != d.module and not label.startswith(prefix):
+            continue
+        for x, differs in row.items():
+            if differs and x != k and x in sa.where:
+                rx, cx = sa.where[x]
+                gx = sa.index.grids[rx]
+                if gx.seq[cx] == seq and gx.pos[cx] < pos:
+                    cands.add((gx.pos[cx], x))
+    if not cands:
+        return None
+    px, x = min(cands)
+    walker, cells = walker_for(x)
+    dx = _inside(walker, d) or _first_difference(walker, x, walker_for.first_module)
+    if dx is None or dx.cause != "origin" or dx.kind != "op":
+        return None
+    if dx.index is None or d.index is None or dx.index >= d.index:  # not an earlier op than k's own parting op (a's)
+        return None
+    reach = (f"reaches the token at position {pos} through attention over the K/V rows of the token at position "
+             f"{px} of its sequence")
+    o = Origin(dx, x, cells, {k}, order=_order(walker.a, dx, cells[0]), kind=dx.kind, offset=_offset(walker.a, dx),
+               note=reach)
+    o.uncompared = walker.uncompared_inputs(dx)
+    if o.uncompared and attention_module(dx.module) and hops < MAX_HOPS:  # x's own difference came through attention
+        via = _through_own_code_attention(walker_for, sa, x, dx, module_rows, hops + 1)
+        if via is not None:
+            via.tokens, via.note = {k}, reach
+            return via
+    return o
+
+
+def _inside(walker, d: Divergence) -> Divergence | None:
+    """The walker's token's difference inside d's module (its call in the token's root call, or d's call), where
+    that call's output differs for the token and its inputs do not (the module's own code, or a call under it,
+    made it); else None."""
+    calls = [c for c in walker.a.calls.values() if c.module == d.module]
+    ca = next((c for c in calls if c.call == d.call), None) if len(calls) != 1 else calls[0]
+    cb = walker.pairing.partner(ca) if ca is not None else None
+    if cb is None or not walker.differs(ca, cb):
+        return None
+    dx = walker.localize(ca, cb)
+    return dx if dx.cause == "origin" else None
 
 
 def _op_inputs_differ(walker, d: Divergence) -> bool:

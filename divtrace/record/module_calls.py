@@ -32,11 +32,37 @@ from divtrace.record.settings import note_grad_mode
 from divtrace.record.values import flatten_tensors
 from divtrace.trace.records import ModuleEnter, ModuleExit
 
-_POSITION_KEYS = ("kwargs.position_ids", "kwargs.positions")  # the positions a model uses, as its submodules get them
+_POSITION_NAMES = ("position_ids", "positions")  # the positions a model uses, as its submodules get them
+_POSITION_KEYS = tuple(f"kwargs.{n}" for n in _POSITION_NAMES)
+_POSITIONAL: dict = {}  # forward function -> the flat keys ("args.N") of its parameters named as positions
 # -1 outside backward. Module calls inside backward are activation checkpointing's recompute: recorded, they
 # would shift the call numbers of every later forward against a run without checkpointing.
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _SEQ = itertools.count()
+
+
+def _position_args(module) -> tuple:
+    """The flat keys of `module.forward`'s parameters named `position_ids`/`positions` where they are passed by
+    position (vLLM's `self.model(input_ids, positions, ...)`, a decoder layer's `layer(positions, hidden, ...)`):
+    ("args.1",) for `forward(self, input_ids, positions)`. Cached per forward function."""
+    fwd = getattr(module, "forward", None)
+    fn = getattr(fwd, "__func__", fwd)
+    got = _POSITIONAL.get(fn)
+    if got is None:
+        import inspect
+
+        try:
+            params = list(inspect.signature(fwd).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        got = []
+        for i, prm in enumerate(params):
+            if prm.kind not in (prm.POSITIONAL_ONLY, prm.POSITIONAL_OR_KEYWORD):
+                break
+            if prm.name in _POSITION_NAMES:
+                got.append(f"args.{i}")
+        got = _POSITIONAL[fn] = tuple(got)
+    return got
 
 
 def compile_filters(include, exclude):
@@ -222,8 +248,8 @@ class ModuleCalls:
                     if pl is not None:
                         pl.after_value(t, vid)
                     pairs.append((key, vid))
-                    if key in _POSITION_KEYS and tokens.grid is not None and not tokens.positions_seen \
-                            and module is not self.root:
+                    if tokens.grid is not None and not tokens.positions_seen and module is not self.root \
+                            and (key in _POSITION_KEYS or (key.startswith("args.") and key in _position_args(module))):
                         tokens.observe_positions(t)
         finally:
             tokens.boundary_path = None
