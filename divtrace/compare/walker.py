@@ -260,8 +260,10 @@ class OriginWalker:
                 if len(key) < 3 or 0 in tuple(key[1]) or key in other_span():
                     continue
                 if any(k[0] == key[0] and tuple(k[1]) == tuple(key[1]) for k in other_span() if len(k) >= 3):
-                    return (f"input {pos} of {t.rop[i]} (record {i}, side {side}) was made by no recorded op (a "
-                            "parameter or buffer, or bytes written by a kernel torch does not see) and differs: "
+                    return (f"input {pos} of {t.rop[i]} (record {i}, side {side}) has no recorded producer (a "
+                            "parameter or buffer, bytes written by a kernel torch does not see, or a tensor an op "
+                            "wrote in place through a view of it, as an attention writing into its output buffer) "
+                            "and differs: "
                             f"side {other} holds values of its dtype and shape, none bitwise equal to it")
         return None
 
