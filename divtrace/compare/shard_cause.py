@@ -11,7 +11,7 @@ run's replica findings as warnings.
 """
 from __future__ import annotations
 
-from divtrace.compare.shard_pieces import describe as partial_pieces
+from divtrace.compare.shard_pieces import describe as partial_pieces, plan_of_value as _plan
 
 _MATMULS = {"mm", "addmm", "bmm", "linear", "matmul"}
 
@@ -19,16 +19,6 @@ _MATMULS = {"mm", "addmm", "bmm", "linear", "matmul"}
 def _base(op: str | None) -> str:
     parts = (op or "").split(".")
     return parts[1] if len(parts) >= 3 else (op or "")
-
-
-def _plan(t, vid):
-    plan_of = getattr(t, "plan_of", None)
-    if plan_of is None or vid is None:
-        return None
-    try:
-        return plan_of(vid)[2]
-    except KeyError:
-        return None
 
 
 def _contraction(t, i: int) -> int | None:

@@ -21,7 +21,8 @@ from divtrace.align.shards.keys import RankLocal
 _KIND = {"partial": "partial sum", "local": "piece"}
 
 
-def _plan(t, vid):
+def plan_of_value(t, vid):
+    """The unshard plan of value `vid` of `t` (a run view), or None (a one-process trace, a token view's rows)."""
     plan_of = getattr(t, "plan_of", None)
     if plan_of is None or vid is None:
         return None
@@ -35,7 +36,7 @@ def differing(ta, tb, va, vb) -> list | None:
     """(rank on a, (its trace, vid), rank on b, (its trace, vid)) of each piece of the pair whose key differs from
     the other side's in the same place; None where (va, vb) is not two run values held as pieces of one kind laid out
     the same way (the only such pairs that are compared: keys.uncompared)."""
-    pa, pb = _plan(ta, va), _plan(tb, vb)  # (None for a one-process trace, and for a token view's rows)
+    pa, pb = plan_of_value(ta, va), plan_of_value(tb, vb)  # (None for a one-process trace, and for a token view's rows)
     if pa is None or pb is None or pa.pieces is None or pb.pieces is None:
         return None
     ka, kb = ta.vkey[va], tb.vkey[vb]
@@ -138,7 +139,7 @@ def _region_partial(t, region) -> int | None:
     """The first value an op of `region` made that is a run's partial sum (laid out `P`, its ranks' pieces known)."""
     for i, _ in region:
         for v in (t.rout[i] or ()) if i < len(t.rout) else ():
-            vp = _plan(t, v)
+            vp = plan_of_value(t, v)
             if (vp is not None and vp.layout is not None and vp.layout[0] and vp.layout[0][0].startswith("P")
                     and vp.pieces is not None):
                 return v
@@ -151,6 +152,6 @@ def one_sided(ta, tb, d, pa, pb) -> dict:
     if (pa is None) == (pb is None):
         return {}
     side, other, t, v = ("a", "b", ta, pa) if pa is not None else ("b", "a", tb, pb)
-    n = len(_plan(t, v).pieces)
+    n = len(plan_of_value(t, v).pieces)
     return {"partial": f"partial sums of {n} ranks on {side}, none on {other}: the reduced sum ({d.tensor}) is "
                        f"compared, not a rank's partial, so no rank is named and no per-rank count is given"}

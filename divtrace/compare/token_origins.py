@@ -196,26 +196,32 @@ def _offset(view, d: Divergence) -> int:
     return (d.index - call.enter_index) if call is not None and d.index is not None else 0
 
 
+def _earlier_differing(sa: TraceTokens, k: int, module_rows: dict, labels) -> tuple[int, set]:
+    """(k's position in its sequence, {(position, token)} of each earlier token of k's sequence whose rows differ at
+    one of the module labels)."""
+    ra, ca = sa.where[k]
+    g = sa.index.grids[ra]
+    seq, pos = g.seq[ca], g.pos[ca]
+    cands = set()
+    for label in labels:
+        for x, differs in module_rows[label][1].items():
+            if differs and x != k and x in sa.where:
+                rx, cx = sa.where[x]
+                gx = sa.index.grids[rx]
+                if gx.seq[cx] == seq and gx.pos[cx] < pos:
+                    cands.add((gx.pos[cx], x))
+    return pos, cands
+
+
 def _through_attention(walker_for, sa: TraceTokens, k: int, d: Divergence, module_rows: dict):
     """Where `d` (for token k) parts at an op with an input not compared for k (attention over the other tokens'
     K/V): the earlier tokens of k's sequence whose rows differ inside the same module are where it comes from.
     The earliest such token is walked inside that module (what makes its rows differ, whether or not its own
     output shows it), and k is counted there. Where that token's rows differ at the module's inputs already, k's
     first difference stays k's own op here: a note (str) says so."""
-    ra, ca = sa.where[k]
-    g = sa.index.grids[ra]
-    seq, pos = g.seq[ca], g.pos[ca]
     prefix = d.module + "."
-    mods = [label for label, (_, row) in module_rows.items()
-            if label == d.module or label.split(" #")[0].startswith(prefix)]
-    cands = []
-    for label in mods:
-        for x, differs in module_rows[label][1].items():
-            if differs and x != k:
-                rx, cx = sa.where[x]
-                gx = sa.index.grids[rx]
-                if gx.seq[cx] == seq and gx.pos[cx] < pos:
-                    cands.append((gx.pos[cx], x))
+    mods = [label for label in module_rows if label == d.module or label.split(" #")[0].startswith(prefix)]
+    pos, cands = _earlier_differing(sa, k, module_rows, mods)
     if not cands:
         return None
     px, x = min(cands)
@@ -290,20 +296,9 @@ def _through_own_code_attention(walker_for, sa: TraceTokens, k: int, d: Divergen
     own, possibly through attention again) is an earlier op of the forward than k's parting op: k is counted
     there. None otherwise (x's difference is the same op as k's, such as a rotary multiply every token has: k's
     op stays k's origin; or it is not localized)."""
-    ra, ca = sa.where[k]
-    g = sa.index.grids[ra]
-    seq, pos = g.seq[ca], g.pos[ca]
     prefix = d.module + "."
-    cands = set()
-    for label, (_, row) in module_rows.items():
-        if label.split(" #")[0] != d.module and not label.startswith(prefix):
-            continue
-        for x, differs in row.items():
-            if differs and x != k and x in sa.where:
-                rx, cx = sa.where[x]
-                gx = sa.index.grids[rx]
-                if gx.seq[cx] == seq and gx.pos[cx] < pos:
-                    cands.add((gx.pos[cx], x))
+    mods = [label for label in module_rows if label.split(" #")[0] == d.module or label.startswith(prefix)]
+    pos, cands = _earlier_differing(sa, k, module_rows, mods)
     if not cands:
         return None
     px, x = min(cands)

@@ -163,15 +163,10 @@ def read_layouts(trace) -> RankLayouts:
     these, is a damaged trace: DivtraceError naming the file (and the line). A trace written without these
     checksums (none on disk vouches for the file) has a torn last line of a killed recording cut off."""
     from divtrace.errors import DivtraceError
-    from divtrace.trace.token_checks import cut_torn_line, json_lines, read_files
+    from divtrace.trace.token_checks import json_lines, side_file_bytes
 
     out = RankLayouts()
-    data, bad, verified = read_files(trace, (LAYOUTS,))
-    if bad:
-        raise DivtraceError(f"damaged trace: {bad[LAYOUTS]}")
-    data = data[LAYOUTS]
-    if not verified and not trace.meta.get("complete"):
-        data = cut_torn_line(data)
+    data = side_file_bytes(trace, LAYOUTS)
     where = trace.path / LAYOUTS
     for n, d in json_lines(data, where):
         what = _read_line(d, out)

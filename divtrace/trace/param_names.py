@@ -79,16 +79,11 @@ def read_param_names(trace) -> ParamNames | None:
     divtrace named parameters). Read as untrusted, as layouts.jsonl: the bytes against the trace's checksums, cut
     back to what they vouch for; a line that is not a name line is a damaged trace (DivtraceError naming it)."""
     from divtrace.errors import DivtraceError
-    from divtrace.trace.token_checks import cut_torn_line, json_lines, read_files
+    from divtrace.trace.token_checks import json_lines, side_file_bytes
 
     if PARAMS not in (trace.meta.get("file_checksums") or {}):
         return None
-    data, bad, verified = read_files(trace, (PARAMS,))
-    if bad:
-        raise DivtraceError(f"damaged trace: {bad[PARAMS]}")
-    data = data[PARAMS]
-    if not verified and not trace.meta.get("complete"):
-        data = cut_torn_line(data)
+    data = side_file_bytes(trace, PARAMS)
     out = ParamNames()
     where = trace.path / PARAMS
     for n, d in json_lines(data, where):

@@ -97,6 +97,18 @@ def cut_torn_line(data: bytes) -> bytes:
 
 
 # -- tokens.jsonl ---------------------------------------------------------------------------------------------------
+def side_file_bytes(trace, name: str) -> bytes:
+    """The bytes of side file `name` of `trace` that its checksums vouch for: a damaged file is a DivtraceError; the
+    last line of a trace that stopped early is cut where it was torn."""
+    data, bad, verified = read_files(trace, (name,))
+    if bad:
+        raise DivtraceError(f"damaged trace: {bad[name]}")
+    data = data[name]
+    if not verified and not trace.meta.get("complete"):
+        data = cut_torn_line(data)
+    return data
+
+
 def json_lines(data: bytes, where):
     """(line number, parsed object) of each line; a line that is not whole JSON is damage."""
     lines = data.split(b"\n")
