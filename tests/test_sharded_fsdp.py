@@ -104,6 +104,13 @@ def test_a_difference_in_one_ranks_sequence_is_found_and_reproduced_from_that_ra
     assert r.verdict == "diverged" and r.first.module == "model.layers.0.self_attn.q_proj", d["first"]
     assert r.first.op == "aten.mul.Tensor"
     assert d["first"]["token"]["seq"]["first_ids"][:3] == FSDP_IDS[1][0][:3]
+    # (planted in rank 1's forward: the token is rank 1's, in its only root call; the one process holds it in its one
+    # root call, no rank)
+    assert (d["first"]["token"]["a"]["rank"], d["first"]["token"]["a"]["rank_call"]) == (1, 0), d["first"]["token"]
+    assert d["first"]["token"]["a"]["call"] == 1 and "rank" not in d["first"]["token"]["b"]
+    from divtrace.cli.token_render import token_text
+
+    assert "a root call 1 (rank 1's root call 0) row" in token_text(d["first"]["token"])
     h = divtrace.bisect(str(root / "fsdp2" / "plant-hash"), str(root / "one" / "plant-hash"))
     assert h.verdict == "diverged" and (h.first.module, h.first.op) == (r.first.module, r.first.op)  # hash = full
     assert h.to_dict()["first"]["token"] == d["first"]["token"], (h.to_dict()["first"], d["first"])

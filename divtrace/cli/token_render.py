@@ -27,8 +27,13 @@ def origin_words(f, token: dict | None = None) -> str:
 def token_text(t: dict) -> str:
     seq = t["seq"]
     return (f"position {t['position']} (id {t['id']}) of sequence {seq['id']} (first ids "
-            f"{', '.join(map(str, seq['first_ids']))}): a root call {t['a']['call']} row {t['a']['row']}, "
-            f"b root call {t['b']['call']} row {t['b']['row']}")
+            f"{', '.join(map(str, seq['first_ids']))}): a {_cell(t['a'])}, b {_cell(t['b'])}")
+
+
+def _cell(w: dict) -> str:
+    """Where a side holds the token: its root call and row, and the rank that holds it alone (data parallel)."""
+    rank = f" (rank {w['rank']}'s root call {w['rank_call']})" if w.get("rank") is not None else ""
+    return f"root call {w['call']}{rank} row {w['row']}"
 
 
 def token_verdict_line(o: Output, r, d: dict) -> None:

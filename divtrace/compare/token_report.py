@@ -24,7 +24,24 @@ def where(tok: TraceTokens, cid: int, cell: int) -> dict:
     out = {"call": g.root_call, "row": cell}
     if len(g.shape) == 2:
         out["batch_row"], out["col"] = divmod(cell, g.shape[1])
+    rank = _own_rank(tok.trace, cid)
+    if rank is not None:
+        out["rank"], out["rank_call"] = rank
     return out
+
+
+def _own_rank(view, cid: int) -> tuple[int, int] | None:
+    """(rank, its own root call number) where a run view's root call `cid` is one rank's alone (data parallel,
+    FSDP: each rank holds its own sequences, and the view's root calls are the ranks' one after the other); None for
+    a one-process trace and for a group whose ranks all hold the token (tensor parallel)."""
+    segments = getattr(view, "segments", None)
+    if not segments or len(segments) < 2:
+        return None
+    seg = next((s for s in segments if s.cbase <= cid < s.cend), None)
+    if seg is None or len(seg.group.ranks) != 1:
+        return None
+    before = sum(1 for c in seg.trace.calls.values() if c.module == "" and c.call_id + seg.cbase < cid)
+    return seg.rank, before
 
 
 def token_of(sa: TraceTokens, sb: TraceTokens, key: int) -> dict:
