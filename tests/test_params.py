@@ -132,6 +132,11 @@ def test_a_nudged_linear_weight_diverges_at_the_same_origin_and_is_listed(tmp_pa
     assert r.first.module == "model.layers.1.mlp.down_proj" and r.first.cause == "origin"
     assert [x["name"] for x in d["parameters"]["differ"]] == truth
     assert not [x for x in d["absorbed"] if x["kind"] == "parameter"]
+    # the input that differs is named as the parameter it is (the weight the origin's `t` reads), by calls and by
+    # tokens; a value from outside with no name keeps the general words
+    assert f"is parameter {truth[0]} and differs" in d["first"]["outside_input"], d["first"]["outside_input"]
+    tok = divtrace.bisect(tmp_path / "a", tmp_path / "b", align="tokens").to_dict()["first"]
+    assert f"is parameter {truth[0]} and differs" in tok["outside_input"], tok["outside_input"]
     # the same bisect without parameter comparison names the same origin, op and tensor
     import divtrace.compare.bisect as bis
 

@@ -173,3 +173,32 @@ def _numel(shape) -> int:
     for x in shape:
         n *= x
     return n
+
+
+def name_of_value(t, vid: int) -> tuple[str, str] | None:
+    """(kind, name) of value `vid` of `t` (a Trace or a run view) where it is a parameter or buffer the trace names,
+    else None (no names, a damaged names file: the comparison of parameters says so, not this)."""
+    from divtrace.errors import DivtraceError
+    from divtrace.trace.param_names import read_param_names
+
+    if getattr(t, "tokens", None) is not None and getattr(t, "trace", None) is not None:
+        t = t.trace  # (a token view: the trace's own vids)
+    if getattr(t, "segments", None) is not None:  # a run view: the value's rank trace, its own vid there
+        try:
+            seg = t.segment_of_vid(vid)
+        except KeyError:
+            return None
+        t, vid = seg.trace, vid - seg.vbase
+    by_vid = getattr(t, "_param_by_vid", None)
+    if by_vid is None:
+        try:
+            names = read_param_names(t)
+        except DivtraceError:
+            names = None
+        by_vid = {v.vid: (names.kinds.get(n, "parameter"), n) for n, vals in (names.values if names else {}).items()
+                  for v in vals if v.vid is not None}
+        try:
+            t._param_by_vid = by_vid  # (read once per trace: origins are few, the file is read once)
+        except AttributeError:
+            pass
+    return by_vid.get(vid)

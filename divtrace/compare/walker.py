@@ -21,6 +21,7 @@ from math import prod
 
 from divtrace.align.calls import Pairing
 from divtrace.compare.op_kinds import computing, constant_derived, writes_in_place
+from divtrace.compare.params import name_of_value
 from divtrace.compare.results import Divergence
 from divtrace.compare.values import ValueComparator
 from divtrace.trace.reader import Trace
@@ -260,10 +261,12 @@ class OriginWalker:
                 if len(key) < 3 or 0 in tuple(key[1]) or key in other_span():
                     continue
                 if any(k[0] == key[0] and tuple(k[1]) == tuple(key[1]) for k in other_span() if len(k) >= 3):
-                    return (f"input {pos} of {t.rop[i]} (record {i}, side {side}) has no recorded producer (a "
-                            "parameter or buffer, bytes written by a kernel torch does not see, or a tensor an op "
-                            "wrote in place through a view of it, as an attention writing into its output buffer) "
-                            "and differs: "
+                    named = name_of_value(t, vid)
+                    what = (f"is {named[0]} {named[1]}" if named is not None else
+                            "has no recorded producer (a parameter or buffer, bytes written by a kernel torch does "
+                            "not see, or a tensor an op wrote in place through a view of it, as an attention writing "
+                            "into its output buffer)")
+                    return (f"input {pos} of {t.rop[i]} (record {i}, side {side}) {what} and differs: "
                             f"side {other} holds values of its dtype and shape, none bitwise equal to it")
         return None
 
