@@ -18,6 +18,8 @@ In: two Traces or RunViews. Out: the `parameters` dict (docs/json.md).
 """
 from __future__ import annotations
 
+from math import prod
+
 _COUNT_MISMATCHED = 16  # differing parameters whose mismatched elements are counted (each a read of both tensors)
 NO_NAMES = "a trace holds no parameter names"
 
@@ -123,16 +125,12 @@ def _mismatched(d: dict, pairs) -> int | None:
         x, y = ta.tensor(va), tb.tensor(vb)
     except Exception:  # (bytes that do not load are the stored-bytes check's to report, not this count's)
         return None
-    n = max(x.numel(), 1)
-    xb = x.contiguous().reshape(-1).view(-1).view(_uint(x)).reshape(n, -1)
-    yb = y.contiguous().reshape(-1).view(-1).view(_uint(y)).reshape(n, -1)
-    return int((xb != yb).any(dim=1).sum()) if x.numel() else 0
+    if not x.numel():
+        return 0
+    from divtrace.compare.metrics import raw_bits  # (each element's bits: a complex one's two parts, a bool's byte)
 
-
-def _uint(t):
-    import torch
-
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size(), torch.uint8)
+    n = x.numel()
+    return int((raw_bits(x).reshape(n, -1) != raw_bits(y).reshape(n, -1)).any(dim=1).sum())
 
 
 def absorbed_entries(params: dict | None) -> list[dict]:
@@ -158,7 +156,7 @@ def param_line(params: dict | None) -> str | None:
         names = []
         for d in params["differ"][:6]:
             at = f" on rank {d['rank']}" if d.get("rank") is not None else ""
-            n = f" ({d['mismatched']} of {_numel(d['shape'])} elements)" if d.get("mismatched") is not None else ""
+            n = f" ({d['mismatched']} of {prod(d['shape'])} elements)" if d.get("mismatched") is not None else ""
             names.append(f"{d['name']}{at}{n}")
         more = f", and {len(params['differ']) - 6} more" if len(params["differ"]) > 6 else ""
         return (f"parameters differ: {len(params['differ'])} of {params['compared']} compared by name: "
@@ -166,13 +164,6 @@ def param_line(params: dict | None) -> str | None:
     if params["why"] and params["compared"] == 0 and NO_NAMES in params["why"]:
         return params["why"]
     return None
-
-
-def _numel(shape) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
 
 
 def name_of_value(t, vid: int) -> tuple[str, str] | None:
@@ -189,16 +180,8 @@ def name_of_value(t, vid: int) -> tuple[str, str] | None:
         except KeyError:
             return None
         t, vid = seg.trace, vid - seg.vbase
-    by_vid = getattr(t, "_param_by_vid", None)
-    if by_vid is None:
-        try:
-            names = read_param_names(t)
-        except DivtraceError:
-            names = None
-        by_vid = {v.vid: (names.kinds.get(n, "parameter"), n) for n, vals in (names.values if names else {}).items()
-                  for v in vals if v.vid is not None}
-        try:
-            t._param_by_vid = by_vid  # (read once per trace: origins are few, the file is read once)
-        except AttributeError:
-            pass
-    return by_vid.get(vid)
+    try:
+        names = read_param_names(t)  # (read once per trace: compare_parameters has read it already)
+    except DivtraceError:
+        return None
+    return names.name_of(vid) if names is not None else None

@@ -16,6 +16,8 @@ In: two traces or run views (divtrace.align.shards.view.RunView) and a pair of v
 """
 from __future__ import annotations
 
+from math import prod
+
 from divtrace.align.shards.keys import RankLocal
 
 _KIND = {"partial": "partial sum", "local": "piece"}
@@ -80,7 +82,6 @@ def pair_diff(ta, tb, va, vb, tol=None):
     pieces = differing(ba, bb, va, vb)
     if not pieces or (ba is not ta and ta.vkey[va] != ba.vkey[va]) or (bb is not tb and tb.vkey[vb] != bb.vkey[vb]):
         return False, None  # (not pieces; or a token's row of the value, not the whole value)
-        return False, None
     diffs = piece_diffs(pieces, tol)
     if diffs is None:
         return True, None
@@ -120,9 +121,7 @@ def _per_rank(ta, tb, va, vb, pieces: list, where: str) -> dict:
     entries, words = [], []
     for i, (ra, a, rb, _) in enumerate(pieces):
         diff = diffs[i] if diffs is not None else None
-        numel = 1
-        for n in a[0].vkey[a[1]][1]:
-            numel *= n
+        numel = prod(a[0].vkey[a[1]][1])
         whose = f"rank {ra}'s {kind}" + (f" (rank {rb}'s on b)" if rb != ra else "") + where
         entry = {"rank_a": ra, "rank_b": rb, "kind": kind, "index_a": ta.vprod.get(va), "index_b": tb.vprod.get(vb)}
         if diff is None:

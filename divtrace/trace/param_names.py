@@ -46,6 +46,14 @@ class ParamNames:
 
     values: dict[str, list[NamedValue]] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)
+    _by_vid: dict | None = field(default=None, repr=False, compare=False)
+
+    def name_of(self, vid: int) -> tuple[str, str] | None:
+        """(kind, name) of the value `vid`, where a name held it."""
+        if self._by_vid is None:
+            self._by_vid = {v.vid: (self.kinds.get(n, "parameter"), n) for n, vals in self.values.items()
+                            for v in vals if v.vid is not None}
+        return self._by_vid.get(vid)
 
 
 class ParamNameWriter:
@@ -83,6 +91,9 @@ def read_param_names(trace) -> ParamNames | None:
 
     if PARAMS not in (trace.meta.get("file_checksums") or {}):
         return None
+    got = getattr(trace, "_param_names", None)  # (an open trace's file is read and checked once: bisect compares
+    if got is not None:  # the names, then names an origin's input from them)
+        return got
     data = side_file_bytes(trace, PARAMS)
     out = ParamNames()
     where = trace.path / PARAMS
@@ -90,6 +101,10 @@ def read_param_names(trace) -> ParamNames | None:
         what = _read_line(d, trace, out)
         if what is not None:
             raise DivtraceError(f"damaged trace: {where}:{n}: {what}")
+    try:
+        trace._param_names = out
+    except AttributeError:
+        pass
     return out
 
 
