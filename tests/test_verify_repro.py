@@ -76,7 +76,10 @@ def test_profile_prints_ratios(generated, capsys):
 def test_a_patch_written_differently_that_runs_the_same_kernels_reads_about_100_percent(generated, capsys):
     """Issue 26 snag 2: the rmsnorm fix (`param * mul_out.to(param.dtype)`, tensor methods) runs the kernels side a
     runs (`torch.ops.aten._to_copy.default`, `torch.ops.aten.mul.Tensor`), and read 150-158% of side a: the
-    generated code's per-op Python, not the kernels. Kernel time must put it at about 100%."""
+    generated code's per-op Python, not the kernels. What reads about 100% does not depend on the machine: the patch
+    and side a run the same leaf ops, and the kernel measure leaves out the Python between ops
+    (test_the_kernel_measure_leaves_out_the_python_between_ops). The percentage itself is wall-clock, a loaded
+    machine moves it (69.9% once, beside the vLLM tests): bench/bench_verify_profile.py measures it."""
     repro, fixes = generated
     if "rmsnorm_cast" not in str(repro):
         pytest.skip("the rmsnorm fix is the one that runs side a's kernels")
@@ -90,11 +93,64 @@ def test_a_patch_written_differently_that_runs_the_same_kernels_reads_about_100_
     from divtrace.verify.profile import kernel_ratios
 
     (_, _, vs_b), (_, against, vs_a) = kernel_ratios(k, "b")
-    assert against == "side a" and 75 <= vs_a <= 133, (vs_a, per, k["noise_band_pct"])
+    assert against == "side a" and vs_a > 0 and vs_b > 0, (vs_a, vs_b, per)
     lo, hi = k["noise_band_pct"]
-    # side a against itself: a band around 100%. How wide, and whether it straddles 100 exactly, is the machine's
-    # timing (a loaded CI machine gave 90.3-99.98%): only that it is a band near 100 is asserted
-    assert lo <= hi and lo <= 110 and hi >= 90, (lo, hi)
+    assert 0 < lo <= hi, (lo, hi)
+    # The leaf ops the kernel measure sums, per call: the patch's are side a's, op for op
+    assert _leaf_ops(repro, "patch", fixes) == _leaf_ops(repro, "a", fixes)
+
+
+def _leaf_ops(repro_dir, who: str, fixes) -> list[str]:
+    """The leaf ops (named ns::op, calling no other such op) of one profiled call of side a or the patch, in order,
+    inside the side's settings, as verify's kernel measure sees them."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from divtrace.verify import profile as vp
+    from divtrace.verify.checks import Side
+    from divtrace.verify.loading import Repro, load_patch
+
+    repro = Repro.load(repro_dir)
+    cand = (Side("side a", repro.side_fn("a"), "a") if who == "a"
+            else Side("patch", load_patch(f"{fixes}:side_b", repro, "b"), "b"))
+
+    def leaves(e) -> list[str]:
+        kids = [c for c in e.cpu_children if "::" in c.name and c.name != vp.ITER]
+        return [e.name] if not kids else [n for c in kids for n in leaves(c)]
+
+    def body(fn, args, kwargs):
+        fn(*args, **kwargs)
+        with profile(activities=[ProfilerActivity.CPU]) as prof, record_function(vp.ITER):
+            fn(*args, **kwargs)
+        (it,) = [e for e in prof.events() if e.name == vp.ITER]
+        return leaves(it)
+
+    return vp._in_side(repro, cand, repro.recorded_inputs(), body)
+
+
+def test_the_kernel_measure_leaves_out_the_python_between_ops(generated):
+    """What issue 26 snag 2 got wrong, without a timing ratio: side a with 30 ms of pure Python before its ops
+    measures its kernels only (far under the Python's 30,000 us on any machine), where its wall time holds the 30 ms."""
+    import time
+
+    from divtrace.verify import profile as vp
+    from divtrace.verify.checks import Side
+    from divtrace.verify.loading import Repro
+
+    repro_dir, _ = generated
+    if "rmsnorm_cast" not in str(repro_dir):
+        pytest.skip("one variant is enough")
+    repro = Repro.load(repro_dir)
+    side_a = repro.side_fn("a")
+
+    def slow_side_a(*args, **kwargs):
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.03:  # Python that runs no op (CPU time: a busy loop, not a sleep)
+            pass
+        return side_a(*args, **kwargs)
+
+    inputs = repro.recorded_inputs()
+    kernel_us = vp._kernel_block(repro, Side("slow", slow_side_a, "a"), inputs, vp.device_of(inputs), 1, 5)
+    assert 0 < kernel_us < 0.25 * 30_000, kernel_us
 
 
 def test_a_crash_is_exit_2_and_verify_says_error_not_still_differs(generated, tmp_path, capsys):
