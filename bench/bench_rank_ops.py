@@ -4,7 +4,11 @@ plan on 2 gloo ranks, one thread each), only the two configurations, alternated 
 process's CPU time (what a shared machine moves least). With --profile, rank 0 (and TP=1) also run cProfile over
 a few recorded forwards and print where the recording's time goes.
 
-    python bench/bench_rank_ops.py [--rounds 12] [--profile 3] [--by-op] [--small] [--no-tp1] [--debug-mode]
+    python bench/bench_rank_ops.py [--rounds 12] [--profile 3] [--by-op] [--small] [--no-tp1] [--debug-mode] [--floor]
+
+--floor also times, in the same rounds, what any recorder built on a Python dispatch mode pays before it records
+anything: `bare_mode` (a TorchDispatchMode that passes every op through, no divtrace) and `passthrough` (divtrace's
+block, hooks and module-boundary values with every op passed through unrecorded, params="read").
 """
 from __future__ import annotations
 
@@ -151,7 +155,7 @@ def _by_op(model) -> None:
 
 
 def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: bool = False,
-             debug_mode: bool = False) -> dict:
+             debug_mode: bool = False, floor: bool = False) -> dict:
     import torch
 
     import divtrace
@@ -188,6 +192,28 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: boo
         with torch.no_grad(), DebugMode(), DebugMode.log_tensor_hashes(hash_fn="hash_tensor"):
             model(ids, use_cache=False)
 
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def bare():  # (--floor: a dispatch mode that records nothing)
+        with torch.no_grad(), PassThrough():
+            model(ids, use_cache=False)
+
+    from divtrace.record.op_records import OpRecorder
+
+    def passthrough():  # (--floor: divtrace's block with every op passed through unrecorded)
+        on_op = OpRecorder.on_op
+        OpRecorder.on_op = lambda self, func, args, kwargs: func(*args, **kwargs)
+        try:
+            shutil.rmtree(tmp / "p", ignore_errors=True)
+            with torch.no_grad(), divtrace.record(model, tmp / "p", mode="hash", ops=True, params="read"):
+                model(ids, use_cache=False)
+        finally:
+            OpRecorder.on_op = on_op
+
     def empty():  # the block's own fixed cost: entered and left with no forward inside
         shutil.rmtree(tmp / "e", ignore_errors=True)
         with torch.no_grad(), divtrace.record(model, tmp / "e", mode="hash", ops=True):
@@ -201,9 +227,12 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: boo
             c0 = time.process_time()
             empty()
             e_cpu.append(time.process_time() - c0)
-        configs = [("plain", plain), ("hash_ops", rec)] + ([("debug_mode", dbg)] if debug_mode else [])
+        configs = [("plain", plain), ("hash_ops", rec)] + ([("debug_mode", dbg)] if debug_mode else []) + (
+            [("bare_mode", bare), ("passthrough", passthrough)] if floor else [])
         if debug_mode:
             dbg()  # (warm-up)
+        if floor:
+            bare(), passthrough()  # (warm-up)
         cpu: dict = {k: [] for k, _ in configs}
         gcs: dict = {k: [] for k, _ in configs}
         thread: dict = {k: [] for k, _ in configs}  # this thread's CPU only (gloo's threads, which poll while
@@ -235,6 +264,9 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: boo
             out["debug_mode"] = {
                 "thread_ratio": round(statistics.median(d / p for d, p in zip(thread["debug_mode"], thread["plain"])), 3),
                 "cpu_ratio": round(statistics.median(d / p for d, p in zip(cpu["debug_mode"], cpu["plain"])), 3)}
+        for k in ("bare_mode", "passthrough") if floor else ():
+            out[k] = {"thread_ratio": round(statistics.median(d / p for d, p in zip(thread[k], thread["plain"])), 3),
+                      "cpu_ratio": round(statistics.median(d / p for d, p in zip(cpu[k], cpu["plain"])), 3)}
         if by_op:  # (--by-op: on_op per aten op, over 6 recorded forwards)
             _by_op(model)
             for _ in range(6):
@@ -276,7 +308,8 @@ def _measure(model, ids, rounds: int, profile: int, ablate: str = "", by_op: boo
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def rank_main(rank, world, model_dir, rounds, profile, ablate="", by_op=False, tp2_seq=0, debug_mode=False):
+def rank_main(rank, world, model_dir, rounds, profile, ablate="", by_op=False, tp2_seq=0, debug_mode=False,
+              floor=False):
     import torch
     from transformers import LlamaForCausalLM
 
@@ -287,7 +320,7 @@ def rank_main(rank, world, model_dir, rounds, profile, ablate="", by_op=False, t
     _, ids = build(small=model.config.num_hidden_layers == 2)
     if tp2_seq:  # (the same work per rank as one process at bench_record's sequence: twice its tokens at TP=2)
         ids = torch.randint(0, model.config.vocab_size, (1, tp2_seq), generator=torch.Generator().manual_seed(1))
-    out = _measure(model, ids, rounds, profile, ablate, by_op, debug_mode)  # (both ranks run the same forwards: collectives pair them)
+    out = _measure(model, ids, rounds, profile, ablate, by_op, debug_mode, floor)  # (both ranks run the same forwards: collectives pair them)
     if rank:
         out.pop("profile", None)
     return out
@@ -306,6 +339,8 @@ def main(argv=None) -> int:
                     "256); 512 gives a rank about the single process's work at 256")
     ap.add_argument("--debug-mode", action="store_true", help="also time PyTorch's DebugMode with bitwise hashes "
                     "(bench_record.py's reference) on the same forwards: what another per-op recorder costs per rank")
+    ap.add_argument("--floor", action="store_true", help="also time a pass-through dispatch mode (no divtrace) and "
+                    "divtrace's block with every op passed through: what a per-op Python recorder pays first")
     ap.add_argument("--ablate", default="", help="diagnostics: parts left out, comma-separated: layouts, tokens")
     args = ap.parse_args(argv)
     import torch
@@ -320,7 +355,7 @@ def main(argv=None) -> int:
         model_dir = tempfile.mkdtemp(prefix="divtrace-rank-ops-model-")
         model.save_pretrained(model_dir)
         try:
-            ranks = run_ranks(rank_main, 2, model_dir, args.rounds, args.profile, args.ablate, args.by_op, args.tp2_seq, args.debug_mode, timeout_s=600, join_s=7200)
+            ranks = run_ranks(rank_main, 2, model_dir, args.rounds, args.profile, args.ablate, args.by_op, args.tp2_seq, args.debug_mode, args.floor, timeout_s=600, join_s=7200)
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)
         for r, x in enumerate(ranks):
@@ -329,7 +364,7 @@ def main(argv=None) -> int:
                 print(f"--- rank {r} profile ---\n{prof}")
             res[f"rank{r}"] = x
     if not args.no_tp1:
-        x = _measure(model, ids, args.rounds, args.profile, args.ablate, args.by_op, args.debug_mode)
+        x = _measure(model, ids, args.rounds, args.profile, args.ablate, args.by_op, args.debug_mode, args.floor)
         prof = x.pop("profile", None)
         if prof:
             print(f"--- TP=1 profile ---\n{prof}")
