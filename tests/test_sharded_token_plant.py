@@ -1,0 +1,105 @@
+"""TP=2 (HF's TP plan, 2 gloo ranks) against one process whose row-parallel Linears sum the same two partial
+matmuls (tests/tp_plant_cases.py): bitwise equal without a plant, so one planted difference is the only one.
+
+- No plant, hash mode: identical. It had said `absorbed` (exit 4) naming a `transpose` in layer 0's attention: a
+  rank's one K/V head `[B, T, 1, d]` transposed is contiguous, so the rank hashed it from its bytes, while the one
+  process's transpose of its two heads is strided and gets a fingerprint derived from the op; the run view keyed
+  the blocks by their bytes, so the two never matched in hash mode (full mode settles it from the bytes). The
+  same false difference was named as the origin, by calls in hash mode, of a plant in a later MLP.
+- One token's MLP: rank 1's block of layer 0's up_proj output scaled at token 5 of sequence 0. Hooks: up_proj is the
+  first module whose output differs, only at that row and only in rank 1's column block; later tokens of the
+  sequence differ from layer 1's attention on, whose input rows for them are equal (the difference reaches them
+  through attention over token 5's K/V rows); the logits differ at tokens 5, 6 and 7. bisect must name up_proj's
+  planted op at token 5, in rank 1's block, full and hash, by calls (`align="calls"` on a run directory had been
+  refused as "not one trace") and by tokens, where every origin is that op with the "through attention over the
+  K/V rows" note, never the attention kernel.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # HF's TP plan needs it
+
+import divtrace  # noqa: E402
+from dist_harness import run_ranks  # noqa: E402
+from sharded_cases import bits_equal, tiny_llama  # noqa: E402
+from tp_plant_cases import differing_rows, single, tp_worker  # noqa: E402
+
+pytestmark = pytest.mark.gloo
+
+CASES = [("none-hash", "none", "hash"), ("up5-full", "up5", "full"), ("up5-hash", "up5", "hash")]
+UP = "model.layers.0.mlp.up_proj"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-plant")
+    model = tiny_llama(str(root / "model"))
+    (truth,) = run_ranks(tp_worker, 2, model, str(root / "tp2"), CASES)[:1]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks
+    try:
+        caps = {plant: single(model, str(root / "tp1" / name), plant, mode)[0] for name, plant, mode in CASES}
+    finally:
+        torch.set_num_threads(threads)
+    return root, truth, caps
+
+
+def _bisect(root, name, align):
+    return divtrace.bisect(str(root / "tp2" / name), str(root / "tp1" / name), align=align)
+
+
+@pytest.mark.parametrize("align", ["calls", "tokens"])
+def test_no_plant_is_identical_in_hash_mode(runs, align):
+    root, truth, caps = runs
+    g, b = truth["none"], caps["none"]
+    for path, (x, y) in g.items():  # the hooks: every module's input and output bitwise equal
+        assert bits_equal(x, b[path][0]) and bits_equal(y, b[path][1]), path
+    d = _bisect(root, "none-hash", align).to_dict()
+    assert d["verdict"] == "identical", (d["reason"], d.get("absorbed"))
+
+
+def _truth(runs):
+    _, truth, caps = runs
+    g, b = truth["up5"], caps["up5"]
+    order = list(g)
+    diff = {p: differing_rows(g[p][1], b[p][1]) for p in order if g[p][1] is not None and g[p][1].dim() == 3}
+    assert diff[UP] == [(0, 5)] and bits_equal(g[UP][0], b[UP][0])
+    half = g[UP][1].shape[-1] // 2
+    assert bits_equal(g[UP][1][..., :half], b[UP][1][..., :half])  # rank 0's block is equal
+    layer0 = [p for p in diff if p.startswith("model.layers.0.") and diff[p]]
+    assert all(p == UP or not p.startswith("model.layers.0.self_attn") for p in layer0), layer0
+    attn = "model.layers.1.self_attn"
+    assert differing_rows(g[attn][0], b[attn][0]) == [(0, 5)] and diff[attn] == [(0, 5), (0, 6), (0, 7)]
+    assert diff[""] == [(0, 5), (0, 6), (0, 7)]  # the logits
+    return half
+
+
+@pytest.mark.parametrize("mode", ["full", "hash"])
+def test_one_tokens_mlp_plant_by_calls(runs, mode):
+    root = runs[0]
+    half = _truth(runs)
+    for align in ("calls", "auto"):  # (auto takes calls: the same batch on both sides)
+        r = _bisect(root, f"up5-{mode}", align)
+        d = r.to_dict()
+        assert d["verdict"] == "diverged" and d["alignment"] == "calls", d["reason"]
+        assert (r.first.module, r.first.op) == (UP, "aten.mul.Tensor"), (align, r.first.module, r.first.op)
+        assert r.first.shards["why"] == "up_proj: mul, where on 2 blocks of dim 2, one per rank on a, where on b"
+        if mode == "full":
+            assert r.first.shards["block_a"] == f"rank 1's block (dim 2: {half}..{2 * half - 1})"
+            assert r.first.diff.first_index == [0, 5, half]
+
+
+@pytest.mark.parametrize("mode", ["full", "hash"])
+def test_one_tokens_mlp_plant_by_tokens_reaches_later_tokens_through_kv(runs, mode):
+    root = runs[0]
+    _truth(runs)
+    d = _bisect(root, f"up5-{mode}", "tokens").to_dict()
+    assert d["verdict"] == "diverged" and d["alignment"] == "tokens", d["reason"]
+    f = d["first"]
+    assert (f["module"], f["op"], f["token"]["position"]) == (UP, "aten.mul.Tensor", 5), f
+    assert "through attention over the K/V rows of the token at position 5" in f["note"], f["note"]
+    assert {(o["module"], o["op"], o["token"]["position"]) for o in d["origins"]} == {(UP, "aten.mul.Tensor", 5)}
+    assert f["shards"]["why"] == "up_proj: mul, where on 2 blocks of dim 2, one per rank on a, where on b"
