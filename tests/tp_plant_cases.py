@@ -17,6 +17,8 @@ from sharded_cases import IDS, bits_equal, capture, unshard_tp
 PLANTS = {
     "none": None,
     "up5": ("model.layers.0.mlp.up_proj", 1, 5, 1 + 2 ** -10),
+    "k2": ("model.layers.0.self_attn.k_proj", 1, 2, 1 + 2 ** -5),  # (bf16: a step of a few ulps)
+    "ow0": ("weight", "model.layers.0.self_attn.o_proj", 0),  # rank 0's block of the row-parallel weight, row 3
 }
 
 
@@ -52,14 +54,23 @@ def sum_partials(m, world: int = 2) -> None:
 
 
 def _plant(m, name: str, rank: int) -> None:
+    import torch
+
     p = PLANTS[name]
-    if p is not None:
+    if p is not None and p[0] == "weight":
+        if rank == p[2]:  # (the one-process run keeps the weight)
+            w = m.get_submodule(p[1]).weight
+            w = w.to_local() if hasattr(w, "to_local") else w
+            with torch.no_grad():
+                w[3] = w[3] * (1 + 2 ** -6)
+    elif p is not None:
         path, on, pos, scale = p
         plant_row(m.get_submodule(path), pos, scale if rank == on else 1.0)
 
 
 def tp_worker(rank, world, model_dir, root, cases):
-    """Record each case (run name, plant name, mode) at TP=`world`; rank 0 returns each plant's global captures."""
+    """Record each case (run name, plant name, mode, dtype name) at TP=`world`; rank 0 returns each (plant, dtype)'s
+    global captures."""
     import torch
 
     import divtrace
@@ -67,25 +78,25 @@ def tp_worker(rank, world, model_dir, root, cases):
 
     torch.set_num_threads(1)
     truth = {}
-    for name, plant, mode in cases:
-        m = LlamaForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32).eval()
+    for name, plant, mode, dtype in cases:
+        m = LlamaForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=getattr(torch, dtype)).eval()
         _plant(m, plant, rank)
         with torch.no_grad(), divtrace.record(m, os.path.join(root, name), mode=mode):
             m(torch.tensor(IDS))
         g = unshard_tp(capture(m, IDS)[0])
         if rank == 0:
-            truth[plant] = {k: tuple(None if t is None else t.clone() for t in v) for k, v in g.items()}
+            truth[plant, dtype] = {k: tuple(None if t is None else t.clone() for t in v) for k, v in g.items()}
     return truth if rank == 0 else None
 
 
-def single(model_dir, out, plant: str, mode: str):
+def single(model_dir, out, plant: str, mode: str, dtype: str = "float32"):
     """The one-process run (partial sums summed as the ranks do), recorded into `out`; its captures returned."""
     import torch
 
     import divtrace
     from transformers import LlamaForCausalLM
 
-    m = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    m = LlamaForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     sum_partials(m)
     _plant(m, plant, -1)
     with torch.no_grad(), divtrace.record(m, out, mode=mode):
