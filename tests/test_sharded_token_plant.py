@@ -107,6 +107,8 @@ def test_one_tokens_mlp_plant_by_tokens_reaches_later_tokens_through_kv(runs, mo
     assert "through attention over the K/V rows of the token at position 5" in f["note"], f["note"]
     assert {(o["module"], o["op"], o["token"]["position"]) for o in d["origins"]} == {(UP, "aten.mul.Tensor", 5)}
     assert f["shards"]["why"] == "up_proj: mul, where on 2 blocks of dim 2, one per rank on a, where on b"
+    if mode == "full":  # the token's row: in rank 1's column block, as by calls (it had named no block)
+        assert f["shards"]["block_a"] == "rank 1's block (dim 2: 64..127)", f["shards"]
 
 
 @pytest.mark.parametrize("mode", ["full", "hash"])

@@ -195,7 +195,8 @@ class Planner:
             vp = self._by_layout(g, vid, lay, i) if lay is not None else None
             if vp is None:
                 vp = self._plain(g, vid)
-            elif vp.kind == "blocks" and vid in t0.vprod:
+            elif vp.kind == "blocks" and vid in t0.vprod \
+                    and (t0.rop[t0.vprod[vid]].split(".") + [""])[1] in _GLOBAL_VIEWS:
                 vp = _derived_blocks(t0, g, vid, vp)
             g.values[vid] = vp
 
@@ -337,7 +338,7 @@ def _derived_blocks(t0, g: Group, vid: int, vp: ValuePlan) -> ValuePlan:
 
     rec = t0.records[t0.vprod[vid]]
     src = g.values.get(rec.inputs[0]) if rec.inputs and len(set(rec.inputs)) == 1 else None
-    if (rec.op.split(".")[1] not in _GLOBAL_VIEWS or src is None or src.kind == "local"
+    if (src is None or src.kind == "local"
             or type(src.key[2]) is not str
             or not _strided_globally(rec, src.key[1], t0.values[rec.inputs[0]].stride, vp.key[1])):
         return vp
