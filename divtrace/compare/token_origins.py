@@ -193,8 +193,7 @@ _LAYOUT_OPS = frozenset(("t", "transpose", "permute", "view", "_unsafe_view", "r
 
 def _made_from_no_token(walker, d: Divergence, what: str) -> bool:
     """Whether the op input `what` names ("input N of ...", not compared for the token: no token rows) is, on both
-    sides, a value no recorded op computed from other values (a parameter, a buffer), seen through ops that only lay
-    it out (a weight's `t()`): a weight that differs is the op's own input, read alike by every token, not another
+    sides, a named parameter that no recorded op computed, seen through ops that only lay it out (a weight's `t()`): a weight that differs is the op's own input, read alike by every token, not another
     token's K/V rows; the token's origin is this op, not an earlier token's difference."""
     if not what.startswith("input ") or d.index is None or d.index_b is None:
         return False
@@ -202,6 +201,8 @@ def _made_from_no_token(walker, d: Divergence, what: str) -> bool:
         pos = int(what.split(" ", 2)[1])
     except ValueError:
         return False
+    from divtrace.compare.params import name_of_value
+
     for t, i in ((walker.a, d.index), (walker.b, d.index_b)):
         if pos >= len(t.rin[i]):
             return False
@@ -211,10 +212,13 @@ def _made_from_no_token(walker, d: Divergence, what: str) -> bool:
             if j is None:
                 break
             ins = set(t.rin[j] or ())
-            if len(ins) != 1 or t.rop[j].split(".")[1] not in _LAYOUT_OPS:
+            if len(ins) != 1 or (t.rop[j].split(".") + [""])[1] not in _LAYOUT_OPS:
                 return False
             v = ins.pop()
         else:
+            return False
+        named = name_of_value(t, v)  # a named parameter (not a buffer: a KV cache may be one, written by a kernel)
+        if named is None or named[0] != "parameter":
             return False
     return True
 
