@@ -188,17 +188,23 @@ class Truth:
         """An attention module: its own code mixes the tokens of a sequence (it holds K and V projections)."""
         return any(k.rsplit(".", 1)[-1] in ("k_proj", "v_proj", "qkv_proj") for k in self.children(module))
 
-    def _through_attention(self, tok, m: str) -> str:
+    def _through_attention(self, tok, m: str, hops: int = 0) -> str:
         """tok's row first differs in attention module m's own code, which reads the K/V rows of the earlier tokens
         of its sequence: where an earlier token's rows differ inside m (at m's output or any module under it), the
-        earliest such token is descended from m, and its origin is tok's, unless its rows differ at m's input
-        already (then the difference came from before m, and m stays tok's origin)."""
+        earliest such token's difference is tok's, and its origin tok's origin: descended from m where its rows
+        are equal at m's input, else from the root (its difference came from before m: an earlier layer's op at
+        that token), through attention again where that lands in an attention's own code (as bisect walks back
+        through the K/V rows, divtrace.compare.token_origins)."""
         inside = [k for k in self.out_differs if k == m or k.startswith(m + ".")]
         earlier = sorted({x for k in inside for x in self.out_differs[k] if x[0] == tok[0] and x[1] < tok[1]},
                          key=lambda x: x[1])
-        if not earlier or earlier[0] in self.in_differs.get(m, ()):
+        if not earlier:
             return m
-        return self._descend(earlier[0], m)
+        x = earlier[0]
+        o = self._descend(x, "" if x in self.in_differs.get(m, ()) else m)
+        if self._attends(o) and hops < 16:
+            o = self._through_attention(x, o, hops + 1)
+        return o
 
     def _descend(self, tok, m: str) -> str:
         while True:

@@ -96,3 +96,38 @@ def test_an_attention_over_a_differing_earlier_k_row_is_no_origin(tmp_path):
         assert "through attention" in f["note"] and f"position {last}" in f["note"]
         assert [o["module"] for o in d["origins"]] == [k], [(o["module"], o["op"]) for o in d["origins"]]
         assert "not batch-invariant" not in json.dumps(d["origins"])
+
+
+def test_an_earlier_layers_difference_at_one_token_is_the_later_tokens_origin(tmp_path):
+    """Side a scales layer 0's up_proj output row of token 5 only; b runs the same sequence in a batch of two,
+    unchanged. The hooks: token 5 differs from layer 0's MLP on; tokens 6 and 7 first differ at layer 1's attention,
+    whose input rows for them are equal: they read token 5's K/V rows, which differ at the attention's input
+    already. Their origin is token 5's up_proj, through attention, in bisect and in the tests' own rule
+    (origin_truth.Truth.origins: it had named layer 1's attention for them, since token 5's rows differed before
+    that module)."""
+    import origin_truth as ot
+
+    torch.set_num_threads(1)
+    a_model, b_model = tc.llama(), tc.llama()
+    up = "model.layers.0.mlp.up_proj"
+    _plant_row(a_model.model.layers[0].mlp.up_proj, 5, 1 + 2 ** -6)
+    n = len(SEQ[0])
+    sides = []
+    for name, model, batch in (("a", a_model, [SEQ[0]]), ("b", b_model, SEQ)):
+        rows = ot.ModuleRows(model)
+        try:
+            with torch.no_grad(), divtrace.record(model, tmp_path / name, mode="full"):
+                model(torch.tensor(batch))
+        finally:
+            rows.remove()
+        grid = (len(batch), n)
+        sides.append((rows, [ot.Layout(grid, [(s, p) for s in range(len(batch)) for p in range(n)])]))
+    truth = ot.Truth(*sides[0], *sides[1], final="lm_head")
+    assert truth.out_differs[up] == {(0, 5)} and truth.final_differs == {(0, 5), (0, 6), (0, 7)}
+    attn = "model.layers.1.self_attn"
+    assert truth.in_differs[attn] == {(0, 5)} and truth.out_differs[attn] == {(0, 5), (0, 6), (0, 7)}
+    assert truth.origins() == {up: 3}  # (the old rule: {up: 1, attn: 2})
+    d = divtrace.bisect(tmp_path / "a", tmp_path / "b").to_dict()
+    assert d["alignment"] == "tokens" and d["verdict"] == "diverged", d.get("reason")
+    assert {o["module"]: o["tokens"] for o in d["origins"]} == truth.origins(), d["origins"]
+    assert "through attention over the K/V rows of the token at position 5" in d["first"]["note"]

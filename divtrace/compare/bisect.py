@@ -122,11 +122,10 @@ def bisect(a, b, *, tol: Tolerance | None = None, path_map: PathMap | None = Non
                 from divtrace.compare.token_bisect import token_bisect  # (numpy: only where tokens are aligned)
 
                 return _sharded(token_bisect(ta, tb, tol=tol, path_map=path_map, n_next=n_next), ta, tb)
-            a, b = ta, tb
         from divtrace.align.shards.view import raise_if_unpairable
 
         raise_if_unpairable(ta, tb)
-        return _sharded(_bisect(a, b, tol, path_map, n_next), ta, tb)
+        return _sharded(_bisect(ta, tb, tol, path_map, n_next), ta, tb)  # (the opened sides: a run directory too)
 
 
 def _data_parallel(ta, tb) -> bool:

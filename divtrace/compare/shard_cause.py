@@ -120,9 +120,17 @@ def _block_of(t, vid, diff) -> str | None:
     if first is None:
         return None
     idx = list(first) if isinstance(first, (list, tuple)) else None
-    if idx is None or len(idx) != len(vp.gshape):
+    if idx is None or not idx or len(idx) > len(vp.gshape):
         return None
     base = getattr(t, "trace", t)
+    if len(idx) < len(vp.gshape):  # a token's row (token alignment): its index in the value's trailing dims, only
+        # where those are the row's shape and the blocks are cut along them alone
+        lead = len(vp.gshape) - len(idx)
+        if list(getattr(diff, "shape_a", None) or ()) != list(vp.gshape[lead:]) or vp.routed:
+            return None
+        if any(base.run.traces[r].vkey[q][1][:lead] != tuple(vp.gshape[:lead]) for r, q, _ in vp.blocks):
+            return None
+        idx = [0] * lead + idx
     if vp.routed:  # routed rows: the first differing element's row is a (token, slot)
         for rank, q, rows in vp.blocks:
             if idx[0] in rows:

@@ -165,7 +165,8 @@ def _walk(walker_for, sa, sb, k, fin_a, fin_b, module_rows) -> Origin | None:
         o.order = _LATE - 1
         return o
     o.uncompared = walker.uncompared_inputs(d) if d.kind == "op" else []
-    if any("cross-token" in u or "no token rows" in u for u in o.uncompared):
+    if any(("cross-token" in u or "no token rows" in u) and not _made_from_no_token(walker, d, u)
+           for u in o.uncompared):
         via = _through_attention(walker_for, sa, k, d, module_rows)
         if isinstance(via, str):  # the other token's rows differ before this module: k's first difference is here
             o.note = via
@@ -183,6 +184,43 @@ def _walk(walker_for, sa, sb, k, fin_a, fin_b, module_rows) -> Origin | None:
         if via is not None:
             return via
     return o
+
+
+# ops that only re-lay one input's elements out (or copy them): a weight's t(), a cast of it
+_LAYOUT_OPS = frozenset(("t", "transpose", "permute", "view", "_unsafe_view", "reshape", "alias", "expand", "slice",
+                         "select", "unsqueeze", "squeeze", "clone", "contiguous", "_to_copy", "detach", "lift_fresh"))
+
+
+def _made_from_no_token(walker, d: Divergence, what: str) -> bool:
+    """Whether the op input `what` names ("input N of ...", not compared for the token: no token rows) is, on both
+    sides, a named parameter that no recorded op computed, seen through ops that only lay it out (a weight's `t()`): a weight that differs is the op's own input, read alike by every token, not another
+    token's K/V rows; the token's origin is this op, not an earlier token's difference."""
+    if not what.startswith("input ") or d.index is None or d.index_b is None:
+        return False
+    try:
+        pos = int(what.split(" ", 2)[1])
+    except ValueError:
+        return False
+    from divtrace.compare.params import name_of_value
+
+    for t, i in ((walker.a, d.index), (walker.b, d.index_b)):
+        if pos >= len(t.rin[i]):
+            return False
+        v = t.rin[i][pos]
+        for _ in range(16):
+            j = t.vprod.get(v)
+            if j is None:
+                break
+            ins = set(t.rin[j] or ())
+            if len(ins) != 1 or (t.rop[j].split(".") + [""])[1] not in _LAYOUT_OPS:
+                return False
+            v = ins.pop()
+        else:
+            return False
+        named = name_of_value(t, v)  # a named parameter (not a buffer: a KV cache may be one, written by a kernel)
+        if named is None or named[0] != "parameter":
+            return False
+    return True
 
 
 def _order(view, d: Divergence, root_cid: int) -> int:
@@ -343,7 +381,10 @@ def _op_inputs_differ(walker, d: Divergence) -> bool:
 
 
 def _first_difference(walker, x: int, first_module: dict) -> Divergence | None:
-    """x's first difference: inside the module call whose output rows of x differ first (the sweep's), or None."""
+    """x's first difference: inside the module call whose output rows of x differ first (the sweep's), or None.
+    Where that call's input rows of x differ already, its parent's own code made them (the sweep's first module is
+    the first to exit: an o_proj whose input is its attention's output, which differs for x because the attention
+    read an earlier token's K/V rows): the walk goes up to the first ancestor that localizes x's difference."""
     got = first_module.get(x)
     if got is None:
         return None
@@ -352,7 +393,15 @@ def _first_difference(walker, x: int, first_module: dict) -> Divergence | None:
     cb = walker.pairing.partner(ca) if ca is not None else None
     if cb is None or not walker.differs(ca, cb):
         return None
-    return walker.localize(ca, cb)
+    d = walker.localize(ca, cb)
+    while d.cause == "propagated" and ca.parent is not None and ca.parent in walker.a.calls:
+        pa = walker.a.calls[ca.parent]
+        pb = walker.pairing.partner(pa)
+        if pb is None or not walker.differs(pa, pb):
+            break
+        ca, cb = pa, pb
+        d = walker.localize(ca, cb)
+    return d
 
 
 def _cells(sa, sb, k):

@@ -100,8 +100,11 @@ def absorbed_list(absorbed: dict, final_differ: set) -> list[dict]:
         module, _, call = label.partition(" #")
         note = {"op": "the op's output row differs, the module's output row is equal",
                 "inputs": "the call's input rows differ (as one side fuses or splits them), its output rows are equal",
-                "module": "the call's output rows differ, its parent's output rows are equal"}[kind]
-        out.append({"module": module, "call": int(call) if call else 0, "kind": kind, "op": op_a, "op_b": op_b,
+                "module": "the call's output rows differ, its parent's output rows are equal",
+                "unkept": ("the call's output rows differ, its root call's output holds no row of these tokens "
+                           "(logits_to_keep): their own final values are not compared")}[kind]
+        out.append({"module": module, "call": int(call) if call else 0, "kind": "module" if kind == "unkept" else kind,
+                    "op": op_a, "op_b": op_b,
                     "tokens": len(keys), "tokens_final_differs": len(keys & final_differ), "note": note})
     out.sort(key=lambda e: (-e["tokens"], e["module"], e["op"] or ""))
     return out

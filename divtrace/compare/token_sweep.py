@@ -9,7 +9,8 @@ What it gives the token bisect:
   it, one group per distinct first module, so every origin is walked, not only the first tokens by position;
 - the absorbed differences: an op whose output row differs inside a call whose output row is equal for that
   token; a call whose input rows differ but whose output rows do not (a fused add+norm's inputs); a call whose
-  output differs inside a parent whose output does not. None of them reaches that token's output.
+  output differs inside a parent whose output does not, or inside a root call whose output holds no row of that
+  token (logits_to_keep). None of them reaches that token's output.
 
 In: the two traces' tokens, the token groups (pairs of root calls and the cells of each token), the folded views
 (divtrace.align.views). Out: a `Sweep`.
@@ -104,6 +105,9 @@ def sweep(sa: TraceTokens, sb: TraceTokens, groups: dict, views: TokenViews, tol
             if ca.parent is not None and ca.parent in status:
                 p_bad, p_seen = status[ca.parent]
                 _absorb(out, (label, "module", None, None), out_bad & p_seen & ~p_bad, keys)
+                if p_seen.any() and va.calls[ca.parent].parent is None:  # a root whose output holds no row of
+                    # these tokens (logits_to_keep: a prompt's rows): their difference reaches no output either
+                    _absorb(out, (label, "unkept", None, None), out_bad & ~p_seen, keys)
             if _same_ops(va, vb, ca, cb):
                 out.ops_compared += 1
                 seen_op = np.zeros(n, dtype=bool)  # the first differing op of the call, per token, is the one listed

@@ -195,7 +195,8 @@ class Planner:
             vp = self._by_layout(g, vid, lay, i) if lay is not None else None
             if vp is None:
                 vp = self._plain(g, vid)
-            elif vp.kind == "blocks" and vid in t0.vderived:
+            elif vp.kind == "blocks" and vid in t0.vprod \
+                    and (t0.rop[t0.vprod[vid]].split(".") + [""])[1] in _GLOBAL_VIEWS:
                 vp = _derived_blocks(t0, g, vid, vp)
             g.values[vid] = vp
 
@@ -325,20 +326,50 @@ def _routed_plan(key0, vid: int, lay, peers: dict, desc) -> ValuePlan:
 
 
 def _derived_blocks(t0, g: Group, vid: int, vp: ValuePlan) -> ValuePlan:
-    """Blocks of a view that each rank derived (a weight block's `t()`): keyed as a one-process trace keys that view
-    of the global input (its fingerprint derived from the op and the input's), so the two compare; the blocks'
-    partials stay the key of the bytes (`real`). Only where the op reorders (t, transpose, permute): arguments that
-    hold sizes name local ones."""
-    from divtrace.trace.derived_views import REORDERING, view_fingerprint
+    """Blocks of a view of blocks (a weight block's `t()`, a head block's transpose or slice): keyed as a one-process
+    trace keys that view of the global input where it derives its fingerprint (from the op and the input's: the
+    view of the global value is strided), so the two compare; the blocks' partials stay the key of the bytes
+    (`real`). Only where the op's arguments hold no sizes of the rank's own block: the op applied to the global
+    input's shape must give the value's global shape (t, transpose, permute; a slice, select, unsqueeze or squeeze
+    off the split dim). Whether the rank itself derived its view does not matter: a rank's one K/V
+    head `[B, T, 1, d]` transposed is contiguous, hashed from its bytes, while the global transpose is strided,
+    derived on the one-process side (hash mode had counted the two as different: a false difference)."""
+    from divtrace.trace.derived_views import view_fingerprint
 
     rec = t0.records[t0.vprod[vid]]
-    src = g.values.get(rec.inputs[0]) if len(set(rec.inputs)) == 1 else None
-    if (rec.op.split(".")[1] not in REORDERING or src is None or src.kind == "local"
-            or type(src.key[2]) is not str):
+    src = g.values.get(rec.inputs[0]) if rec.inputs and len(set(rec.inputs)) == 1 else None
+    if (src is None or src.kind == "local"
+            or type(src.key[2]) is not str
+            or not _strided_globally(rec, src.key[1], t0.values[rec.inputs[0]].stride, vp.key[1])):
         return vp
     key = (vp.key[0], vp.key[1], view_fingerprint(rec.op, src.key[2], src.key[0], list(src.key[1]), list(vp.key[1]),
                                                   rec.args, rec.kwargs))
     return ValuePlan(key, vp.kind, vp.gshape, vp.blocks, vp.rows, vp.note, vp.layout, real=vp.key, routed=vp.routed)
+
+
+_GLOBAL_VIEWS = frozenset(("t", "transpose", "permute", "numpy_T", "mT", "slice", "select", "unsqueeze", "squeeze"))
+
+
+def _strided_globally(rec, src_shape, src_stride, shape) -> bool:
+    """Whether view op `rec`, with the rank's arguments, of the global input (of shape `src_shape`, its dims laid out
+    in memory in the order of the rank's block's strides `src_stride`) gives the global shape `shape` as a
+    non-contiguous view: what a one-process recorder derives a fingerprint for (divtrace.record.values). False where
+    it cannot be told (an argument that is a tensor, arguments that do not fit the global shape)."""
+    import torch
+
+    args = rec.args[1:]
+    if rec.kwargs or any(type(a) is dict for a in args) or len(src_stride) != len(src_shape):
+        return False
+    order = sorted(range(len(src_shape)), key=lambda d: (-src_stride[d], d))  # outermost first
+    stride, n = [0] * len(src_shape), 1
+    for d in reversed(order):
+        stride[d], n = n, n * src_shape[d]
+    try:
+        fn = getattr(getattr(torch.ops.aten, rec.op.split(".")[1]), rec.op.split(".")[2])
+        out = fn(torch.empty_strided(tuple(src_shape), tuple(stride), device="meta"), *args)
+    except Exception:  # noqa: BLE001 (arguments that do not fit the global shape: sizes of the rank's block)
+        return False
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(shape) and not out.is_contiguous()
 
 
 def build_plan(run) -> tuple[list[Group], list[str], Planner]:

@@ -135,7 +135,7 @@ class RunView(Trace):
             self.calls, self.rcall, self.rop, self.rin, self.rout = t.calls, t.rcall, t.rop, t.rin, t.rout
             self.vprod, self.vsrc = t.vprod, t.vsrc
             self.vkey = {v: vp.key for v, vp in segs[0].group.values.items()}
-            self.vderived = {v for v in t.vderived if _derived(segs[0].group.values[v])}
+            self.vderived = _view_derived(t, segs[0].group.values, 0)
             return
         self.calls, self.rcall, self.rop, self.rin, self.rout = {}, [], [], [], []
         self.vprod, self.vsrc, self.vkey, self.vderived = {}, {}, {}, set()
@@ -149,7 +149,7 @@ class RunView(Trace):
             self.vprod.update((v + vb, i + ib) for v, i in t.vprod.items())
             self.vsrc.update((v + vb, i + ib) for v, i in t.vsrc.items())
             self.vkey.update((v + vb, vp.key) for v, vp in s.group.values.items())
-            self.vderived.update(v + vb for v in t.vderived if _derived(s.group.values[v]))
+            self.vderived.update(_view_derived(t, s.group.values, vb))
             mine: dict[str, int] = {}
             for cid in sorted(t.calls):
                 c = t.calls[cid]
@@ -271,6 +271,12 @@ class RunView(Trace):
 
     def check_meta(self) -> None:  # each rank's trace was checked when it was opened
         return None
+
+
+def _view_derived(t, values: dict, vb: int) -> set:
+    """The view's values keyed by a derived fingerprint: a rank's own derived view, or blocks keyed as one (plan.real,
+    also where the rank hashed its view from its bytes)."""
+    return {v + vb for v, vp in values.items() if (v in t.vderived and _derived(vp)) or vp.real is not None}
 
 
 def _derived(vp) -> bool:
