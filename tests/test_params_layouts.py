@@ -85,6 +85,11 @@ def worker(rank, world, model_dir, root):
     for mode in ("full", "hash"):
         with torch.no_grad(), divtrace.record(m, os.path.join(root, f"fsdp-plant-{mode}"), mode=mode):
             m(torch.tensor(FSDP_IDS[rank]))
+    with torch.no_grad():  # a weight every token reads, planted in rank 1's shard (layer 0's q_proj, rows 32-63)
+        if rank == 1:
+            m.model.layers[0].self_attn.q_proj.weight.to_local()[7, 2] += 2.0 ** -8
+        with divtrace.record(m, os.path.join(root, "fsdp-read-hash"), mode="hash"):
+            m(torch.tensor(FSDP_IDS[rank]))
     # torch's parallelize_module; a DTensor weight no op reads, planted in rank 1's block (global rows 16-31)
     from torch.distributed.tensor import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -268,3 +273,24 @@ def test_record_cli_params_option(tmp_path):
     assert p["compared"] == 0 and "params='none'" in p["why"]
     rc, out = cli("record", f"{entry}:build", "--out", tmp_path / "bad", "--params", "some")
     assert rc == 2 and "some" in out
+
+
+def test_fsdp2_read_weight_planted_origin_names_parameter_and_rank(runs):
+    """A weight every token reads, planted in rank 1's FSDP2 shard: the origin's outside input is that parameter,
+    named with the rank whose trace holds the copy read (each rank all-gathers it); parameters name both ranks."""
+    root, _, _, _ = runs
+    r = divtrace.bisect(str(root / "runs" / "fsdp-read-hash"), str(root / "one2-hash"))
+    d = r.to_dict()
+    assert r.verdict == "diverged" and d["first"]["module"] == "model.layers.0.self_attn.q_proj", d["reason"]
+    seg = [s.rank for s in r_view(root).segments if s.ibase <= d["first"]["index"] < s.iend]
+    assert f"is parameter model.layers.0.self_attn.q_proj.weight on rank {seg[0]} and differs" in \
+        d["first"]["outside_input"]
+    # (the embedding row planted before stays planted in this model: both differ, on each rank's gathered copy)
+    assert [(x["name"], x["ranks"]) for x in d["parameters"]["differ"]] == [
+        ("model.embed_tokens.weight", [0, 1]), ("model.layers.0.self_attn.q_proj.weight", [0, 1])]
+
+
+def r_view(root):
+    from divtrace.align.shards import open_side
+
+    return open_side(str(root / "runs" / "fsdp-read-hash"))

@@ -335,21 +335,27 @@ def param_line(params: dict | None) -> str | None:
 
 
 def name_of_value(t, vid: int) -> tuple[str, str] | None:
-    """(kind, name) of value `vid` of `t` (a Trace or a run view) where it is a parameter or buffer the trace names,
-    else None (no names, a damaged names file: the comparison of parameters says so, not this)."""
+    """(kind, name) of value `vid` of `t` (a Trace or a run view: the name then says `on rank R`, the rank whose
+    trace holds the value) where it is a parameter or buffer the trace names, else None (no names, a damaged names
+    file: the comparison of parameters says so, not this)."""
     from divtrace.errors import DivtraceError
     from divtrace.trace.param_names import read_param_names
 
     if getattr(t, "tokens", None) is not None and getattr(t, "trace", None) is not None:
         t = t.trace  # (a token view: the trace's own vids)
+    rank = None
     if getattr(t, "segments", None) is not None:  # a run view: the value's rank trace, its own vid there
         try:
             seg = t.segment_of_vid(vid)
         except KeyError:
             return None
         t, vid = seg.trace, vid - seg.vbase
+        rank = getattr(seg, "rank", None)
     try:
         names = read_param_names(t)  # (read once per trace: compare_parameters has read it already)
     except DivtraceError:
         return None
-    return names.name_of(vid) if names is not None else None
+    got = names.name_of(vid) if names is not None else None
+    if got is None or rank is None:
+        return got
+    return got[0], f"{got[1]} on rank {rank}"  # (the rank whose copy or block it is: FSDP2's gathered weight)

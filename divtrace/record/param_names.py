@@ -107,8 +107,9 @@ class ParamNames:
         self._named.add(e[1])
 
     def finish(self) -> None:
-        """At the block's end: (unread=True) a fingerprint line for every parameter and buffer no op read; the chunk
-        partials of every parameter that is not a DTensor (hash mode; in full mode, of those no op read)."""
+        """At the block's end: (unread=True) a fingerprint line for every parameter and buffer no op read (with the
+        chunk partials of one that is not a DTensor); in hash mode, a chunk line for each such parameter an op
+        read."""
         if not self.enabled or self.out is None:
             return
         from divtrace.trace.hashing.tensor import hash_with_stats, tensor_fingerprint
@@ -120,14 +121,16 @@ class ParamNames:
             loc = _local(t)
             if loc is None:
                 continue
-            chunks = hash_mode or (self.unread and name not in self._named)  # (full mode: no bytes of an unread one)
+            read = name in self._named
+            chunked = loc is t and kind == "parameter" and t.dim() >= 1 and t.numel() > 0
             with torch.no_grad():
-                if chunks and loc is t and kind == "parameter" and t.dim() >= 1 and t.numel():
-                    line = {"name": name, "kind": kind, "ch": _chunk_partials(t.detach(), on_device)}
-                    lines.append(line)
-                if name in self._named or not self.unread:
+                if read or not self.unread:  # (hash mode: the chunks of a weight an op read, on a line of their own)
+                    if read and hash_mode and chunked:
+                        lines.append({"name": name, "kind": kind, "ch": _chunk_partials(t.detach(), on_device)})
                     continue
                 line = {"name": name, "kind": kind, "dtype": dtype_name(loc.dtype), "shape": list(loc.shape)}
+                if chunked:  # (full mode too: an unread weight has no bytes)
+                    line["ch"] = _chunk_partials(t.detach(), on_device)
                 if _read_on_host(loc):
                     line["h"] = hash_with_stats(loc.detach(), stats=False)[0]
                 else:

@@ -12,7 +12,8 @@ Written by divtrace.record.param_names; one JSON object per line:
   [placement per mesh dim], "g": global shape, "o": this rank's offsets, "h": partial fingerprint}` (as a value's
   layout in layouts.jsonl: divtrace.trace.layouts), so its block is put together with the other ranks' blocks.
 - `{"name": ..., "kind": ..., "ch": [[dim, [[start, length, partial], ..]], ..]}` (a parameter that is not a
-  DTensor, at the block's end: in hash mode; in full mode, one no op read): the partial fingerprints of its chunks along `dim` at their global
+  DTensor and that an op read, at the block's end, in hash mode; one no op read has `ch` on its fingerprint line,
+  in both modes): the partial fingerprints of its chunks along `dim` at their global
   offsets (the lane-gsum128-v2 scheme: they sum to its fingerprint), so a rank's block of another run's layout
   (rows 32-63 of a TP=2 run's vocab block) is compared with the same rows of this whole weight with no bytes.
 
@@ -133,7 +134,8 @@ def _read_line(d, trace, out: ParamNames) -> str | None:
                         and isinstance(x[2], str) and len(x[2]) == 32 for x in c[1]) for c in ch)):
             return f"the chunk fingerprints of {name} are malformed"
         out.chunks[name] = [(c[0], [tuple(x) for x in c[1]]) for c in ch]
-        return None
+        if "v" not in d and "h" not in d:  # (a line of chunks only: a parameter an op read, hash mode)
+            return None
     if "v" in d:
         if type(d["v"]) is not int:
             return f"the value id of {name} is malformed"
