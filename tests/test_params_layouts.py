@@ -46,6 +46,7 @@ class Spare(torch.nn.Module):
         self.up = torch.nn.Linear(16, 32, bias=False)
         self.down = torch.nn.Linear(32, 16, bias=False)
         self.spare = torch.nn.Linear(16, 32, bias=False)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 2.0, 16))  # (a Replicate DTensor no op reads)
 
     def forward(self, x):
         return self.down(torch.relu(self.up(x)))
@@ -91,15 +92,17 @@ def worker(rank, world, model_dir, root):
         with divtrace.record(m, os.path.join(root, "fsdp-read-hash"), mode="hash"):
             m(torch.tensor(FSDP_IDS[rank]))
     # torch's parallelize_module; a DTensor weight no op reads, planted in rank 1's block (global rows 16-31)
-    from torch.distributed.tensor import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     s = Spare()
-    parallelize_module(s, init_device_mesh("cpu", (world,)), {"up": ColwiseParallel(), "down": RowwiseParallel(),
-                                                             "spare": ColwiseParallel()})
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(s, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel(), "spare": ColwiseParallel()})
+    s.scale = torch.nn.Parameter(distribute_tensor(s.scale.data, mesh, [Replicate()]))
     with torch.no_grad():
         if rank == 1:
             s.spare.weight.to_local()[3, 5] += 1.0
+            s.scale.to_local()[4] += 2.0 ** -9  # a replica that differs on rank 1 only
     truth["spare"] = _truth_of(s)
     for mode in ("full", "hash"):
         with torch.no_grad(), divtrace.record(s, os.path.join(root, f"spare-{mode}"), mode=mode):
@@ -237,15 +240,34 @@ def test_unread_dtensor_block_of_parallelize_module_is_named(runs):
     layout (params.jsonl `lay`), so it is put together with the other rank's block: rank 1 named, both modes."""
     root, ranks, _, spare = runs
     truth = _blocks_truth(ranks, "spare", spare)
-    assert truth == {"spare.weight": [1]}
+    assert truth == {"spare.weight": [1], "scale": [1]}
     n = len(spare)
     for mode in ("full", "hash"):
         r, p = _bisect(root, f"spare-{mode}", f"spare-one-{mode}")
-        assert p["how"] == "global" and p["compared"] == n and p["equal"] == n - 1 and p["why"] is None, p
-        [d] = p["differ"]
+        assert p["how"] == "global" and p["compared"] == n and p["equal"] == n - 2 and p["why"] is None, p
+        d, s = sorted(p["differ"], key=lambda x: x["name"], reverse=True)
         assert d["name"] == "spare.weight" and d["rank"] == 1 and d["read"] == {"a": False, "b": False}
         assert d["blocks"] == [{"side": "a", "rank": 1, "offsets": [16, 0], "block": [16, 16]}]
+        assert s["name"] == "scale" and s["ranks"] == [1] and s["layout"]["a"] == "blocks of 2 ranks"
+        assert s["read"] == {"a": False, "b": False}
+        assert [(x["name"], x["differ"]) for x in p["replicas"]] == [("scale", [1])]
         assert r.verdict != "identical"
+
+
+def test_replicate_dtensor_differing_within_a_run_is_never_identical(runs):
+    """Two recordings of one TP=2 run (hash against full: every value equal rank against rank): the Replicate
+    DTensor parameter (no op reads it: its layout from params.jsonl `lay`) whose rank 1 copy differs is a finding of
+    each run on its own, so the verdict is absorbed, never identical."""
+    root, ranks, _, _ = runs
+    assert not torch.equal(ranks[0]["spare"]["scale"][0], ranks[1]["spare"]["scale"][0])  # the truth
+    r = divtrace.bisect(str(root / "runs" / "spare-hash"), str(root / "runs" / "spare-full"))
+    d = r.to_dict()
+    p = d["parameters"]
+    assert p["how"] == "ranks" and p["differ"] == [] and p["compared"] == p["equal"]
+    assert sorted((x["side"], x["name"], x["differ"], x["reference"]) for x in p["replicas"]) == [
+        ("a", "scale", [1], 0), ("b", "scale", [1], 0)]
+    assert r.verdict == "absorbed" and r.exit_code == 4, d["reason"]
+    assert sum("replicas differ in run" in x["note"] for x in d["absorbed"] if x["kind"] == "parameter") == 2
 
 
 def test_record_cli_params_option(tmp_path):

@@ -59,7 +59,7 @@ def compare_parameters(ta, tb, path_map=None) -> dict:
         for side, label in ((ta, "a"), (tb, "b")):
             got = _sides(side, path_map, label)
             if got is not None:
-                out["replicas"] += _replicas(got, label, laid_only=True)
+                out["replicas"] += _replicas(side, got, label, laid_only=True)
     why = []
     if missing:
         why.append(f"{NO_NAMES} ({missing[0]}: {_why_missing(missing[0])})")
@@ -104,10 +104,16 @@ def _sides(side, path_map, label):
     return out
 
 
-def _layouts_of():
+def _layouts_of(*sides):
+    """trace -> its RankLayouts: the run's, read when it was opened (trace/run.py), else read here."""
     from divtrace.trace.layouts import read_layouts
 
     cache: dict = {}
+    for side in sides:
+        run = getattr(side, "run", None)
+        for r, t in (run.traces.items() if run is not None else ()):
+            if r in getattr(run, "layouts", {}):
+                cache[id(t)] = (t, run.layouts[r])
 
     def get(t):
         if id(t) not in cache:
@@ -116,10 +122,10 @@ def _layouts_of():
     return get
 
 
-def _replicas(side_names, label: str, laid_only: bool) -> list[dict]:
+def _replicas(side, side_names, label: str, laid_only: bool) -> list[dict]:
     from divtrace.compare.param_global import gather, replicas
 
-    held, kinds = gather(side_names, _layouts_of())
+    held, kinds = gather(side_names, _layouts_of(side))
     out = []
     for name, hs in sorted(held.items()):
         for h in hs if not isinstance(hs, str) else ():
@@ -140,7 +146,7 @@ def _compare_global(ta, tb, path_map, out: dict) -> dict:
         out["not_compared"] = len({n for p in names if p is not None for n in p.values})
         out["why"] = f"parameters not compared: {NO_NAMES} ({bad.path}: {_why_missing(bad.path)})"
         return out
-    layouts_of = _layouts_of()
+    layouts_of = _layouts_of(ta, tb)
     (ga, ka), (gb, kb) = (pg.gather(s, layouts_of) for s in sides)
     v2 = all(t.meta.get("hash_scheme") == TENSOR_SCHEME for s in sides for _, t, _ in s)
     reasons = []
