@@ -60,10 +60,12 @@ def test_run_directories_compare_parameters_rank_against_rank(tmp_path):
     names = (tmp_path / "runs" / "a" / "rank-1" / "params.jsonl").read_text()
     assert '"model.layers.0.self_attn.q_proj.weight"' in names  # a sharded parameter's block, by its name
 
-    # a TP=2 run against a one-process run: blocks never pair with whole weights
+    # a TP=2 run against a one-process run: each name put together in global coordinates (compare/param_global),
+    # the planted row of each rank's vocab block named by its rank and its global row
     single(model, str(tmp_path / "one"), "float32", "full")
     r = divtrace.bisect(tmp_path / "runs" / "b", tmp_path / "one")
     p = r.to_dict()["parameters"]
-    assert p["compared"] == 0 and p["differ"] == [] and p["not_compared"] > 0
-    assert "run of 2 ranks" in p["why"] and "single process" in p["why"]
-    assert not [x for x in r.to_dict()["absorbed"] if x["kind"] == "parameter"]
+    assert p["how"] == "global" and p["compared"] == len(ranks[0]["b"]) and p["not_compared"] == 0, p["why"]
+    [d] = p["differ"]
+    assert d["name"] == "model.embed_tokens.weight" and d["ranks"] == [0, 1] and d["mismatched"] == 2
+    assert d["rows"] == [ROW % 32, ROW]

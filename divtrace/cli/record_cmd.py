@@ -25,6 +25,10 @@ def record(
     arg: Annotated[Optional[list[str]], typer.Option("--arg", help="key=value passed to the ENTRY function (repeatable)")] = None,
     grad_mode: Annotated[Literal["no_grad", "inference", "grad"], typer.Option(
         help="the autograd mode the forward runs under (torch.no_grad, torch.inference_mode, grad enabled)")] = "no_grad",
+    params: Annotated[Optional[Literal["all", "read", "none"]], typer.Option(
+        "--params", help="which parameters and buffers to name in the trace, so bisect compares the two runs' weights "
+        "by name: all (those ops read, and those none read fingerprinted at the end: the default with ops), read "
+        "(only those ops read: the default with --no-ops), none (no names: bisect compares no parameters)")] = None,
     overwrite: Annotated[bool, typer.Option(help="replace a trace already in --out")] = False,
     durable: Annotated[bool, typer.Option(help="fsync the trace at close, so it survives an OS crash right after")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable summary")] = False,
@@ -56,7 +60,7 @@ def record(
     try:
         elapsed = record_entry(entry, out, args=kwargs, mode=mode, ops=False if no_ops else None, include=include,
                                exclude=exclude, label=label or out.name, overwrite=overwrite, grad_mode=grad_mode,
-                               durable=durable, compiled=compiled)
+                               durable=durable, compiled=compiled, params=params)
     except DivtraceError:
         raise
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the recorder already closed the trace and marked it

@@ -116,7 +116,7 @@ def token_bisect(ta, tb, *, tol: Tolerance | None = None, path_map: PathMap | No
     params = compare_parameters(ta, tb, path_map)  # (by name: never moves an origin, compare/params.py)
     if not real:  # a weight that differs where no token's output reads it: never "identical"
         absorbed += absorbed_entries(params)
-        internal += len(params["differ"])
+        internal += len(params["differ"]) + len(params.get("replicas") or ())  # (a replica that differs: a finding)
     ver = decide(origin_found=bool(real), within_tolerance=False, final_compared=fin.compared > 0,
                  final_equal=not fin.differ, a=trace_seen(ta, "a", tb), b=trace_seen(tb, "b", ta),
                  calls_compared=len(shared), only_a=tokens["only_a"], only_b=tokens["only_b"], unit="tokens",

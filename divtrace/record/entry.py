@@ -103,7 +103,7 @@ def run_model(model, inputs, grad_mode: str = "no_grad"):
 
 def record_entry(entry: str, out, *, args: dict | None = None, mode: str = "full", ops: bool | None = None,
                  include=None, exclude=None, label=None, overwrite=False, grad_mode="no_grad", durable=False,
-                 compiled: bool | None = None):
+                 compiled: bool | None = None, params: str | None = None):
     """Build the model from ENTRY and record one forward into `out`. Returns the forward's wall time (s)."""
     import time
 
@@ -114,7 +114,7 @@ def record_entry(entry: str, out, *, args: dict | None = None, mode: str = "full
     model, inputs = build_from_entry(entry, args)
     rec = record(model, out, mode=mode, ops=ops, label=label, include=include, exclude=exclude, overwrite=overwrite,
                  extra_meta={"entry": entry, "entry_args": args or {}, "grad_mode": grad_mode}, durable=durable,
-                 compiled=compiled)
+                 compiled=compiled, params=params)
     with rec:
         t0 = time.perf_counter()
         run_model(model, inputs, grad_mode)

@@ -12,7 +12,18 @@ times a recording at most.
 `unread=True` (record's `params="all"`, the default with ops=True): at the block's end, every parameter and
 buffer no recorded op read (an MoE expert no token of this batch was routed to) is fingerprinted, hash only, so a
 weight that differs there is seen too. Costs one read of those weights per recording; nothing for a model whose
-ops read every weight (docs/performance.md).
+ops read every weight (docs/performance.md). A DTensor parameter no op read gets its block's layout on its line
+(`lay`: placements, global shape, offsets, the block's partial fingerprint), so bisect puts it together with the
+other ranks' blocks.
+
+Hash mode (full mode: one no op read, which has no bytes), a parameter that is not a DTensor: at the block's end
+its chunk partials (`ch`: 8 chunks along dim 0
+and along its last dim, each chunk's partial fingerprint at its place) are written too, so a run of another layout
+(TP=2 rows 32-63 of the vocab) is compared with the same rows of this whole weight, the rank whose block differs
+named, with no bytes. Costs one more read of each weight per recording (docs/performance.md).
+
+`enabled=False` (record's `params="none"`): no name is written (params.jsonl stays empty; meta.json says
+`"params": "none"`, and bisect says why it compares no parameters).
 """
 from __future__ import annotations
 
@@ -46,8 +57,9 @@ def _read_on_host(t) -> bool:
 class ParamNames:
     """The names of one recording's parameters and buffers (one per Recorder)."""
 
-    def __init__(self, unread: bool) -> None:
-        self.unread = unread  # fingerprint what no op read, at the block's end
+    def __init__(self, unread: bool, enabled: bool = True) -> None:
+        self.unread = unread and enabled  # fingerprint what no op read, at the block's end
+        self.enabled = enabled  # False: params="none", no name written
         self.modules: list = []  # (path, module) as the recorder walked them (compiled wrappers left out)
         self.out = None  # the trace's ParamNameWriter, from the start of the block
         self._by_id: dict | None = None  # id(tensor) -> (weak reference, name, kind)
@@ -80,6 +92,8 @@ class ParamNames:
 
     def seen(self, t, vid: int) -> None:
         """Value `vid` came from outside as tensor `t`: write its name when it is a parameter or buffer."""
+        if not self.enabled:
+            return
         m = self._by_id if self._by_id is not None else self._build()
         e = m.get(id(t))
         if e is None or e[0]() is not t:
@@ -93,32 +107,109 @@ class ParamNames:
         self._named.add(e[1])
 
     def finish(self) -> None:
-        """At the block's end (unread=True): a fingerprint line for every parameter and buffer no op read."""
-        if not self.unread or self.out is None:
+        """At the block's end: (unread=True) a fingerprint line for every parameter and buffer no op read (with the
+        chunk partials of one that is not a DTensor); in hash mode, a chunk line for each such parameter an op
+        read."""
+        if not self.enabled or self.out is None:
             return
-        from divtrace.trace.hashing.tensor import hash_with_stats, hexes, tensor_fingerprint
+        from divtrace.trace.hashing.tensor import hash_with_stats, tensor_fingerprint
 
         lines, on_device = [], []  # (a device tensor's fingerprint stays there until one read for all of them:
         # a host read per weight would wait for the device once per parameter of a big MoE)
+        hash_mode = getattr(self.out._writer, "mode", None) == "hash"
         for name, t, kind in self._named_tensors():
-            if name in self._named:
-                continue
             loc = _local(t)
             if loc is None:
                 continue
-            line = {"name": name, "kind": kind, "dtype": dtype_name(loc.dtype), "shape": list(loc.shape)}
+            read = name in self._named
+            chunked = loc is t and kind == "parameter" and t.dim() >= 1 and t.numel() > 0
             with torch.no_grad():
+                if read or not self.unread:  # (hash mode: the chunks of a weight an op read, on a line of their own)
+                    if read and hash_mode and chunked:
+                        lines.append({"name": name, "kind": kind, "ch": _chunk_partials(t.detach(), on_device)})
+                    continue
+                line = {"name": name, "kind": kind, "dtype": dtype_name(loc.dtype), "shape": list(loc.shape)}
+                if chunked:  # (full mode too: an unread weight has no bytes)
+                    line["ch"] = _chunk_partials(t.detach(), on_device)
                 if _read_on_host(loc):
                     line["h"] = hash_with_stats(loc.detach(), stats=False)[0]
                 else:
-                    on_device.append((line, tensor_fingerprint(loc.detach())))
+                    on_device.append((line, "h", tensor_fingerprint(loc.detach())))
+                if loc is not t:
+                    lay = _block_layout(t, loc, on_device)
+                    if lay is not None:
+                        line["lay"] = lay
             lines.append(line)
-        by_device: dict = {}
-        for line, fp in on_device:
-            by_device.setdefault(fp.device, []).append((line, fp))
-        for got in by_device.values():
-            for (line, _), h in zip(got, hexes(torch.stack([fp for _, fp in got]))):
-                line["h"] = h
+        _land(on_device)
         for line in lines:
             self.out.add(line)
         self._by_id = None
+
+
+_CHUNKS = 8  # chunks per dim of a whole parameter's chunk partials (a TP degree of 2, 4 or 8 splits on them)
+
+
+def _land(on_device) -> None:
+    """Put each device fingerprint into its place ((container, key, int64 [2] tensor)), one read per device."""
+    from divtrace.trace.hashing.tensor import hexes
+
+    by_device: dict = {}
+    for item in on_device:
+        by_device.setdefault(item[2].device, []).append(item)
+    for got in by_device.values():
+        for (where, key, _), h in zip(got, hexes(torch.stack([fp for _, _, fp in got]))):
+            where[key] = h
+
+
+def _chunk_partials(t, on_device) -> list:
+    """[[dim, [[start, length, partial], ..]], ..] of whole parameter `t`: along dim 0 and its last dim."""
+    from divtrace.trace.hashing.tensor import partial_hex, tensor_partial
+
+    out, shape = [], list(t.shape)
+    for dim in sorted({0, t.dim() - 1}):
+        n = shape[dim]
+        k = min(_CHUNKS, n)
+        got = []
+        for j in range(k):
+            s, e = j * n // k, (j + 1) * n // k
+            x = t.narrow(dim, s, e - s)
+            offsets = [s if d == dim else 0 for d in range(t.dim())]
+            entry = [s, e - s, None]
+            h = partial_hex(x, shape, offsets) if _read_on_host(x) else None
+            if h is None:
+                on_device.append((entry, 2, tensor_partial(x, shape, offsets).reshape(-1)))
+            else:
+                entry[2] = h
+            got.append(entry)
+        out.append([dim, got])
+    return out
+
+
+def _block_layout(t, loc, on_device) -> dict | None:
+    """The layout of DTensor parameter `t`'s local block `loc` ({"p", "g", "o", "h"}), or None where it has none
+    that divtrace puts together (a placement other than Shard and Replicate, or one that does not fit)."""
+    placements, mesh = getattr(t, "placements", None), getattr(t, "device_mesh", None)
+    if placements is None or mesh is None:
+        return None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        from divtrace.record.placements import _placement_code
+        from divtrace.trace.hashing.tensor import partial_hex, tensor_partial
+
+        codes = [_placement_code(p, t.dim()) for p in placements]
+        if any(c is None or c[0] not in "SR" for c in codes):
+            return None
+        local, offsets = compute_local_shape_and_global_offset(tuple(t.shape), mesh, placements)
+        if tuple(local) != tuple(loc.shape):
+            return None
+        out = {"p": codes, "g": list(t.shape), "o": [int(o) for o in offsets]}
+        if any(c[0] == "S" for c in codes):
+            h = partial_hex(loc.detach(), out["g"], out["o"]) if _read_on_host(loc) else None
+            if h is None:
+                on_device.append((out, "h", tensor_partial(loc.detach(), out["g"], out["o"]).reshape(-1)))
+            else:
+                out["h"] = h
+        return out
+    except Exception:  # (a mesh this rank is not in, a placement torch cannot place: no layout rather than a wrong one)
+        return None

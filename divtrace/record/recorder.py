@@ -73,8 +73,8 @@ class Recorder:
         from divtrace.record.compiled.session import resolve  # torch.compile: divtrace/record/compiled, docs/compiled.md
 
         self.compiled, ops, self._regions = resolve(model, compiled, ops)
-        if params not in (None, "read", "all"):
-            raise DivtraceError(f"params must be 'read', 'all' or None, got {params!r}")
+        if params not in (None, "read", "all", "none"):
+            raise DivtraceError(f"params must be 'all', 'read', 'none' or None, got {params!r}")
         from divtrace.record.ranks import current_rank, rank_path  # a rank of a sharded run: docs/sharded.md
 
         from divtrace.record.declared import declares_routed
@@ -111,7 +111,10 @@ class Recorder:
         self.values = ValueIdentity(mode, self.token_rows, self.warnings)
         # Parameter names (record/param_names.py); params=None: unread ones fingerprinted too where ops are
         # recorded (there a dense model's ops read every weight: nothing more is read; docs/performance.md)
-        self.param_names = ParamNames(unread=params == "all" or (params is None and bool(ops)))
+        self.param_names = ParamNames(unread=params == "all" or (params is None and bool(ops)),
+                                      enabled=params != "none")
+        if params == "none":  # (said in meta.json: bisect says why no parameter is compared)
+            self._extra_meta["params"] = "none"
         self.values.names = self.param_names
         self.calls = self.calls_class(model, include_re, exclude_re, stack, self.values, self.token_rows,
                                       self.warnings)

@@ -8,7 +8,14 @@ Written by divtrace.record.param_names; one JSON object per line:
   the recording read it. A parameter written in place during the recording and read again has a line per value.
 - `{"name": ..., "kind": ..., "dtype": "torch.float32", "shape": [..], "h": fingerprint}`: a parameter or buffer
   that no recorded op read, fingerprinted when the block ended (record's `params="all"`): no value, no bytes (in
-  full mode too), only its fingerprint, in the trace's scheme.
+  full mode too), only its fingerprint, in the trace's scheme. A DTensor parameter's line adds `"lay": {"p":
+  [placement per mesh dim], "g": global shape, "o": this rank's offsets, "h": partial fingerprint}` (as a value's
+  layout in layouts.jsonl: divtrace.trace.layouts), so its block is put together with the other ranks' blocks.
+- `{"name": ..., "kind": ..., "ch": [[dim, [[start, length, partial], ..]], ..]}` (a parameter that is not a
+  DTensor and that an op read, at the block's end, in hash mode; one no op read has `ch` on its fingerprint line,
+  in both modes): the partial fingerprints of its chunks along `dim` at their global
+  offsets (the lane-gsum128-v2 scheme: they sum to its fingerprint), so a rank's block of another run's layout
+  (rows 32-63 of a TP=2 run's vocab block) is compared with the same rows of this whole weight with no bytes.
 
 Names are `named_parameters()` / `named_buffers()` names relative to the recorded model, torch.compile's `_orig_mod.`
 left out; a tied weight (one tensor under two names) has the first name torch gives it. A DTensor parameter's line
@@ -38,6 +45,8 @@ class NamedValue:
 
     vid: int | None
     key: tuple
+    layout: object = None  # (a fingerprint line's "lay": a divtrace.trace.layouts.Layout with vid -1)
+    chunks: list | None = None  # [(dim, [(start, length, partial)])] where the name held this value only
 
 
 @dataclass
@@ -46,6 +55,7 @@ class ParamNames:
 
     values: dict[str, list[NamedValue]] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)
+    chunks: dict[str, list] = field(default_factory=dict)  # name -> its "ch" line's chunks
     _by_vid: dict | None = field(default=None, repr=False, compare=False)
 
     def name_of(self, vid: int) -> tuple[str, str] | None:
@@ -101,6 +111,10 @@ def read_param_names(trace) -> ParamNames | None:
         what = _read_line(d, trace, out)
         if what is not None:
             raise DivtraceError(f"damaged trace: {where}:{n}: {what}")
+    for name, ch in out.chunks.items():
+        vals = out.values.get(name)
+        if vals is not None and len(vals) == 1 and _chunks_fit(ch, vals[0].key):
+            vals[0].chunks = ch
     try:
         trace._param_names = out
     except AttributeError:
@@ -112,6 +126,16 @@ def _read_line(d, trace, out: ParamNames) -> str | None:
     if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not d["name"] or d.get("kind") not in KINDS:
         return "not a parameter name line (a JSON object with a name and a kind)"
     name = d["name"]
+    if "ch" in d:
+        ch = d["ch"]
+        if not (isinstance(ch, list) and all(
+                isinstance(c, list) and len(c) == 2 and type(c[0]) is int and isinstance(c[1], list)
+                and all(isinstance(x, list) and len(x) == 3 and type(x[0]) is int and type(x[1]) is int
+                        and isinstance(x[2], str) and len(x[2]) == 32 for x in c[1]) for c in ch)):
+            return f"the chunk fingerprints of {name} are malformed"
+        out.chunks[name] = [(c[0], [tuple(x) for x in c[1]]) for c in ch]
+        if "v" not in d and "h" not in d:  # (a line of chunks only: a parameter an op read, hash mode)
+            return None
     if "v" in d:
         if type(d["v"]) is not int:
             return f"the value id of {name} is malformed"
@@ -124,7 +148,43 @@ def _read_line(d, trace, out: ParamNames) -> str | None:
         if not (isinstance(dtype, str) and isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)
                 and isinstance(h, str) and len(h) == 32):
             return f"the fingerprint line of {name} has a malformed dtype, shape or fingerprint"
-        nv = NamedValue(None, (dtype, tuple(shape), h))
+        lay = d.get("lay")
+        if lay is not None:
+            from divtrace.trace.layouts import Layout, _valid_layout
+
+            if not (isinstance(lay, dict) and _valid_layout({**lay, "v": -1, "M": -1})
+                    and (lay.get("h") is None or isinstance(lay["h"], str))):
+                return f"the layout of {name} is malformed"
+            lay = Layout(-1, -1, lay["p"], lay["g"], lay["o"], "param", lay.get("h"))
+        nv = NamedValue(None, (dtype, tuple(shape), h), lay)
     out.values.setdefault(name, []).append(nv)
     out.kinds.setdefault(name, d["kind"])
     return None
+
+
+def _chunks_fit(chunks, key) -> bool:
+    """Whether each dim's chunks tile the value of `key` along that dim and sum to its fingerprint."""
+    shape = key[1]
+    for dim, ch in chunks:
+        if not 0 <= dim < len(shape) or [(s, n) for s, n, _ in ch] != _spans(ch, shape[dim]):
+            return False
+        if combine_hex([h for _, _, h in ch]) != key[2]:
+            return False
+    return True
+
+
+def _spans(ch, n: int) -> list:
+    out, at = [], 0
+    for s, k, _ in ch:
+        out.append((at, k))
+        at += k
+    return out if at == n else []
+
+
+def combine_hex(partials) -> str:
+    """The fingerprint the hex partial fingerprints sum to (as hashing.tensor.combine_hex, without torch: a hash-mode
+    bisect never imports it)."""
+    from divtrace.trace.hashing.spec import MASK, to_hex
+
+    pairs = [(int(h[:16], 16), int(h[16:], 16)) for h in partials]
+    return to_hex(sum(p[0] for p in pairs) & MASK, sum(p[1] for p in pairs) & MASK)
