@@ -148,9 +148,9 @@ def tp_worker(rank, world, model_dir, root, cases):
     return truth if rank == 0 else None
 
 
-def single(model_dir, out, dtype: str, mode: str, plant: bool = False, ids=None):
-    """The one-process run of the same model (on `ids`, IDS by default): recorded into `out`; its captures
-    returned."""
+def single(model_dir, out, dtype: str, mode: str, plant: bool = False, ids=None, params=None):
+    """The one-process run of the same model (on `ids`, IDS by default): recorded into `out` (record's `params`);
+    its captures returned."""
     import torch
 
     import divtrace
@@ -160,7 +160,7 @@ def single(model_dir, out, dtype: str, mode: str, plant: bool = False, ids=None)
     if plant:
         scale_q_proj(m, 1.0)
     ids = IDS if ids is None else ids
-    with torch.no_grad(), divtrace.record(m, out, mode=mode):
+    with torch.no_grad(), divtrace.record(m, out, mode=mode, params=params):
         m(torch.tensor(ids))
     return capture(m, ids)
 

@@ -118,16 +118,17 @@ def runs(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for mode in ("full", "hash"):
-            single(model, str(root / f"one-{mode}"), "float32", mode)
-            single(model, str(root / f"one2-{mode}"), "float32", mode, ids=[s[0] for s in FSDP_IDS])
+        for mode in ("full", "hash"):  # (params="blocks": whole weights' chunk partials, so hash mode names blocks)
+            single(model, str(root / f"one-{mode}"), "float32", mode, params="blocks")
+            single(model, str(root / f"one2-{mode}"), "float32", mode, ids=[s[0] for s in FSDP_IDS], params="blocks")
+        single(model, str(root / "one-default-hash"), "float32", "hash")  # (params="all": no chunk partials)
         from transformers import LlamaForCausalLM
 
         one = LlamaForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         whole = {n: t.detach().clone() for n, t in [*one.named_parameters(), *one.named_buffers()]}
         s = Spare()
         for mode in ("full", "hash"):
-            with torch.no_grad(), divtrace.record(s, str(root / f"spare-one-{mode}"), mode=mode):
+            with torch.no_grad(), divtrace.record(s, str(root / f"spare-one-{mode}"), mode=mode, params="blocks"):
                 s(torch.tensor(X))
         spare = {n: t.detach().clone() for n, t in s.named_parameters()}
     finally:
@@ -189,6 +190,24 @@ def test_tp2_plant_in_rank1_vocab_block_is_named_with_rank_and_rows(runs):
     d = r.to_dict()
     assert r.verdict == "absorbed" and r.exit_code == 4, d["reason"]
     assert [(x["name"], x["rank"]) for x in d["parameters"]["differ"]] == [("model.embed_tokens.weight", 1)]
+
+
+def test_without_chunk_partials_the_whole_weight_is_compared_whole(runs):
+    """The one process recorded with the default params ("all": no chunk partials, which cost a read of each weight
+    per chunk dim): the TP=2 run's blocks still sum to the weight's fingerprint, so the planted weight differs and
+    every other is equal, as with them; only which rank's block differs cannot be told (no block is named)."""
+    root, ranks, whole, _ = runs
+    assert not any("ch" in json.loads(x) for x in (root / "one-default-hash" / "params.jsonl").read_text().splitlines())
+    r, p = _bisect(root, "tp-plant-hash", "one-default-hash")
+    assert r.verdict != "identical"
+    assert p["compared"] == len(whole) and p["equal"] == len(whole) - 1 and p["replicas"] == []
+    [d] = p["differ"]
+    assert d["name"] == "model.embed_tokens.weight" and d["blocks"] == []
+    from divtrace.compare.params import param_line
+
+    assert "which rank's block differs is not known" in param_line(p), param_line(p)
+    r, p = _bisect(root, "tp-clean-hash", "one-default-hash")
+    assert p["compared"] == p["equal"] == len(whole) and p["differ"] == []
 
 
 def test_replica_differing_on_one_rank_is_a_finding_of_its_run(runs):

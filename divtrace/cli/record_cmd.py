@@ -25,10 +25,12 @@ def record(
     arg: Annotated[Optional[list[str]], typer.Option("--arg", help="key=value passed to the ENTRY function (repeatable)")] = None,
     grad_mode: Annotated[Literal["no_grad", "inference", "grad"], typer.Option(
         help="the autograd mode the forward runs under (torch.no_grad, torch.inference_mode, grad enabled)")] = "no_grad",
-    params: Annotated[Optional[Literal["all", "read", "none"]], typer.Option(
+    params: Annotated[Optional[Literal["all", "blocks", "read", "none"]], typer.Option(
         "--params", help="which parameters and buffers to name in the trace, so bisect compares the two runs' weights "
         "by name: all (those ops read, and those none read fingerprinted at the end: the default with ops), read "
-        "(only those ops read: the default with --no-ops), none (no names: bisect compares no parameters)")] = None,
+        "(only those ops read: the default with --no-ops), none (no names: bisect compares no parameters), blocks (as "
+        "all, and in hash mode each whole weight's chunk fingerprints, so bisect names which rank's block differs "
+        "against a sharded run; one more read of each weight per chunk dim)")] = None,
     overwrite: Annotated[bool, typer.Option(help="replace a trace already in --out")] = False,
     durable: Annotated[bool, typer.Option(help="fsync the trace at close, so it survives an OS crash right after")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable summary")] = False,

@@ -324,6 +324,11 @@ def param_line(params: dict | None) -> str | None:
                 from divtrace.compare.param_global import where
 
                 n += f" [{_blocks_said(d, where)}]"
+            elif params.get("how") == "global" and d.get("mismatched") is None and any(
+                    str(x).startswith("blocks") for x in (d.get("layout") or {}).values()):
+                # (the blocks' sum differs from a whole weight's one fingerprint: no place of it is known)
+                n += (" [which rank's block differs is not known: the whole weight has one fingerprint; record it "
+                      "with params=\"blocks\" or in full mode]")
             names.append(f"{d['name']}{at}{n}")
         more = f", and {len(params['differ']) - 6} more" if len(params["differ"]) > 6 else ""
         how = " in global coordinates" if params.get("how") == "global" else ""

@@ -16,11 +16,12 @@ ops read every weight (docs/performance.md). A DTensor parameter no op read gets
 (`lay`: placements, global shape, offsets, the block's partial fingerprint), so bisect puts it together with the
 other ranks' blocks.
 
-Hash mode (full mode: one no op read, which has no bytes), a parameter that is not a DTensor: at the block's end
-its chunk partials (`ch`: 8 chunks along dim 0
-and along its last dim, each chunk's partial fingerprint at its place) are written too, so a run of another layout
-(TP=2 rows 32-63 of the vocab) is compared with the same rows of this whole weight, the rank whose block differs
-named, with no bytes. Costs one more read of each weight per recording (docs/performance.md).
+`chunks=True` (record's `params="blocks"`), in hash mode (full mode: one no op read, which has no bytes), a
+parameter that is not a DTensor: at the block's end its chunk partials (`ch`: 8 chunks along dim 0 and along its
+last dim, each chunk's partial fingerprint at its place) are written too, so a run of another layout (TP=2 rows
+32-63 of the vocab) is compared with the same rows of this whole weight, the rank whose block differs named, with
+no bytes. Costs a read of each weight per chunk dim (+0.23x of bench_record's forward: docs/performance.md), so it
+is asked for, never the default; without it a hash trace's whole weight is compared by its one fingerprint.
 
 `enabled=False` (record's `params="none"`): no name is written (params.jsonl stays empty; meta.json says
 `"params": "none"`, and bisect says why it compares no parameters).
@@ -57,8 +58,9 @@ def _read_on_host(t) -> bool:
 class ParamNames:
     """The names of one recording's parameters and buffers (one per Recorder)."""
 
-    def __init__(self, unread: bool, enabled: bool = True) -> None:
+    def __init__(self, unread: bool, enabled: bool = True, chunks: bool = False) -> None:
         self.unread = unread and enabled  # fingerprint what no op read, at the block's end
+        self.chunks = chunks  # params="blocks": whole weights' chunk partials too (a read of each per chunk dim)
         self.enabled = enabled  # False: params="none", no name written
         self.modules: list = []  # (path, module) as the recorder walked them (compiled wrappers left out)
         self.out = None  # the trace's ParamNameWriter, from the start of the block
@@ -122,7 +124,7 @@ class ParamNames:
             if loc is None:
                 continue
             read = name in self._named
-            chunked = loc is t and kind == "parameter" and t.dim() >= 1 and t.numel() > 0
+            chunked = self.chunks and loc is t and kind == "parameter" and t.dim() >= 1 and t.numel() > 0
             with torch.no_grad():
                 if read or not self.unread:  # (hash mode: the chunks of a weight an op read, on a line of their own)
                     if read and hash_mode and chunked:

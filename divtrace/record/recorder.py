@@ -73,8 +73,8 @@ class Recorder:
         from divtrace.record.compiled.session import resolve  # torch.compile: divtrace/record/compiled, docs/compiled.md
 
         self.compiled, ops, self._regions = resolve(model, compiled, ops)
-        if params not in (None, "read", "all", "none"):
-            raise DivtraceError(f"params must be 'all', 'read', 'none' or None, got {params!r}")
+        if params not in (None, "read", "all", "blocks", "none"):
+            raise DivtraceError(f"params must be 'all', 'blocks', 'read', 'none' or None, got {params!r}")
         from divtrace.record.ranks import current_rank, rank_path  # a rank of a sharded run: docs/sharded.md
 
         from divtrace.record.declared import declares_routed
@@ -111,8 +111,9 @@ class Recorder:
         self.values = ValueIdentity(mode, self.token_rows, self.warnings)
         # Parameter names (record/param_names.py); params=None: unread ones fingerprinted too where ops are
         # recorded (there a dense model's ops read every weight: nothing more is read; docs/performance.md)
-        self.param_names = ParamNames(unread=params == "all" or (params is None and bool(ops)),
-                                      enabled=params != "none")
+        # "blocks": "all" and each whole weight's chunk partials too (one more read of each weight per chunk dim)
+        self.param_names = ParamNames(unread=params in ("all", "blocks") or (params is None and bool(ops)),
+                                      enabled=params != "none", chunks=params == "blocks")
         if params == "none":  # (said in meta.json: bisect says why no parameter is compared)
             self._extra_meta["params"] = "none"
         self.values.names = self.param_names
