@@ -83,6 +83,19 @@ def _absorbed_entry(d) -> dict:
             "op_b": d.op_b, "tensor": d.tensor, "note": note}
 
 
+def _passed_over(walker) -> list[dict]:
+    """`absorbed` entries of the children the walk passed over (compare/output_reach.py): each one's own origin,
+    whose difference reaches none of the outputs that differ."""
+    out, i = [], 0
+    while i < len(walker.passed_over):  # (localizing one may pass over more)
+        ya, yb = walker.passed_over[i]
+        d = walker.localize(ya, yb)
+        out.append({**_absorbed_entry(d), "note": "differs, but reaches none of the outputs that differ: they are a "
+                    "later call's, whose inputs are equal"})
+        i += 1
+    return out
+
+
 def _nothing_to_compare(ta: Trace, tb: Trace, unmatched: dict | None = None) -> BisectResult:
     """The verdict when a trace stopped before anything could be compared (before its first module call was
     written, say): inconclusive, saying why. `unmatched`: the calls the pairing left without a partner, where
@@ -260,13 +273,13 @@ def _bisect(a, b, tol: Tolerance | None, path_map: PathMap | None, n_next: int) 
         raise DivtraceError(f"{ta.path} vs {tb.path}: tensors differ but no aligned module call differs; "
                             "cannot localize (please report this)")
     final_compared, final_equal, final_note, final_local = final_outputs(ta, tb, pairing, walker)
-    absorbed = []
+    absorbed = _passed_over(walker)
     if (first is not None and first.cause != "propagated" and cmp.tol is None and final_compared and final_equal
             and _outputs_equal(walker, fa, pairing) and not any(map(_writes_in_place, (first, *nxt)))):
         # Every output of every top call was compared and is bitwise equal: what differs inside reaches no output
         # (a value the next op rounds away, a weight element no output row reads). Not an origin, as under token
         # alignment: absorbed, listed.
-        absorbed = [_absorbed_entry(d) for d in (first, *nxt)]
+        absorbed += [_absorbed_entry(d) for d in (first, *nxt)]
         first, nxt = None, []
         _verify_stored(ta, tb)  # (as for identical)
     params = compare_parameters(ta, tb, path_map)  # (by name: never moves the origin, compare/params.py)

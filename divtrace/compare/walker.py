@@ -39,6 +39,7 @@ class OriginWalker:
         self._op_mismatch: dict[tuple[int, int], tuple | None] = {}
         self._in_mismatch: dict[tuple[int, int], tuple | None] = {}
         self._out_mismatch: dict[tuple[int, int], tuple | None] = {}
+        self.passed_over: list = []  # earlier children whose difference reaches no differing output (output_reach)
 
     # -- tree -----------------------------------------------------------------------------------------------
     def child_pairs(self, ca: ModuleCall, cb: ModuleCall):
@@ -120,6 +121,12 @@ class OriginWalker:
         m = self.in_mismatch(ca, cb)
         if m is not None:
             return self.divergence(ca, cb, m[1], m[2], f"input {m[0]}", "propagated")
+        from divtrace.compare.output_reach import reaching_child
+
+        reach = reaching_child(self, ca, cb)
+        if reach is not None:  # the differing outputs come from a later child whose inputs are equal
+            self.passed_over += reach[2]
+            return self.localize(reach[0], reach[1])
         for child_a, child_b in self.child_pairs(ca, cb):
             m = self.in_mismatch(child_a, child_b)
             if m is not None:
