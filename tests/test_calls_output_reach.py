@@ -49,7 +49,7 @@ def _run(model, ids, path, mode, nudge_up: bool, nudge_head: bool):
 
 
 @pytest.mark.parametrize("mode", ["full", "hash"])
-def test_a_difference_lm_head_never_reads_is_absorbed_and_lm_head_is_the_origin(tmp_path, mode):
+def test_a_difference_lm_head_never_reads_is_absorbed_and_lm_head_is_the_origin(tmp_path, mode, capsys):
     model, inputs = hf_llama("eager", layers=2)
     ids = inputs["input_ids"][:1]
     a = _run(model, ids, tmp_path / "a", mode, nudge_up=False, nudge_head=False)
@@ -67,6 +67,13 @@ def test_a_difference_lm_head_never_reads_is_absorbed_and_lm_head_is_the_origin(
     assert d["first"]["cause"] == "origin"
     assert [x["module"] for x in d["absorbed"]] == ["model.layers.1.mlp.up_proj"], d["absorbed"]
     assert "reaches none of the outputs that differ" in d["absorbed"][0]["note"]
+    from divtrace.cli.app import main
+
+    capsys.readouterr()
+    assert main(["bisect", str(tmp_path / "a"), str(tmp_path / "b"), "--align", "calls"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "absorbed: 1 earlier difference(s) reach none of the outputs that differ, not the origin: " \
+           "model.layers.1.mlp.up_proj" in out, out[:2000]
 
 
 def test_a_difference_that_reaches_the_logits_is_still_the_origin(tmp_path):

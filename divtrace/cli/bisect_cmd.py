@@ -50,6 +50,10 @@ def render_bisect(o: Output, r) -> None:
         o.failed(f"diverged: first divergence originates in {origin_words(r.first)} [cause: {r.first.cause}]")
         if not all(r.complete) or r.coverage.parted:  # the reason says what may be missing past the origin
             o.line(f"note: {r.reason}")
+        passed = [x for x in r.absorbed if x["kind"] != "parameter"]
+        if passed:  # (calls the walk passed over: their difference reaches none of the outputs that differ)
+            o.line(f"absorbed: {len(passed)} earlier difference(s) reach none of the outputs that differ, not the "
+                   "origin: " + ", ".join(f"{x['module'] or '<root>'} ({x['op'] or x['kind']})" for x in passed[:4]))
     if line:
         o.line(line)
     for w in r.warnings:
