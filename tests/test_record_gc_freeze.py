@@ -60,15 +60,23 @@ def test_a_block_freezes_the_gc_for_its_length_and_records_the_same(tmp_path):
     assert [v.hash for v in frozen.values.values()] == [v.hash for v in unfrozen.values.values()]
 
 
-def test_a_callers_freeze_is_left_alone(tmp_path):
+def test_a_callers_freeze_is_left_alone(tmp_path, monkeypatch):
+    """Neither frozen again nor unfrozen by the block. (Not the freeze count's exact value: a frozen object freed by
+    its reference count while the block runs, an entry a cache drops, lowers it; a clean clone's CI saw 3 fewer.)"""
     model, x = _Net().eval(), torch.randn(3, 8)
     gc.freeze()
+    calls = []
     try:
         before = gc.get_freeze_count()
+        for name in ("freeze", "unfreeze"):
+            real = getattr(gc, name)
+            monkeypatch.setattr(gc, name, lambda real=real, name=name: calls.append(name) or real())
         seen = []
         _record(tmp_path, "t", model, x, lambda rec: seen.append(gc.get_freeze_count()))
-        assert seen == [before] and gc.get_freeze_count() == before  # not undone at the block's end
+        assert calls == [] and 0 < seen[0] <= before  # nothing frozen on top of the caller's, nothing unfrozen
+        assert 0 < gc.get_freeze_count() <= before  # the caller's freeze holds after the block
     finally:
+        monkeypatch.undo()
         gc.unfreeze()
 
 
