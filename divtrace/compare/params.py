@@ -63,12 +63,17 @@ def compare_parameters(ta, tb, path_map=None) -> dict:
     why = []
     if missing:
         why.append(f"{NO_NAMES} ({missing[0]}: {_why_missing(missing[0])})")
+    _unpaired_why(out, why, "shape (a fused projection against its parts, a rank's block against a whole weight, a "
+                  "weight no op read where unread ones were not fingerprinted)")
+    return out
+
+
+def _unpaired_why(out: dict, why: list, other: str) -> None:
+    """Set out["why"]: the reasons in `why`, and the names that did not pair (`other`: what another shape means)."""
     if out["only_a"] or out["only_b"] or out["other_shape"]:
         why.append(f"{out['only_a']} names only in a, {out['only_b']} only in b, {out['other_shape']} of another "
-                   "dtype or shape (a fused projection against its parts, a rank's block against a whole weight, a "
-                   "weight no op read where unread ones were not fingerprinted)")
+                   f"dtype or {other}")
     out["why"] = ("parameters not compared: " + "; ".join(why)) if why else None
-    return out
 
 
 def _read(t):
@@ -162,11 +167,8 @@ def _compare_global(ta, tb, path_map, out: dict) -> dict:
     out["differ"].sort(key=lambda d: (d.get("rank") or 0, d["name"]))
     why = [f"{len(reasons)} not put together in global coordinates ({'; '.join(reasons[:3])}"
            f"{', and more' if len(reasons) > 3 else ''})"] if reasons else []
-    if out["only_a"] or out["only_b"] or out["other_shape"]:
-        why.append(f"{out['only_a']} names only in a, {out['only_b']} only in b, {out['other_shape']} of another "
-                   "dtype or global shape (a fused projection against its parts, a weight no op read where unread "
-                   "ones were not fingerprinted)")
-    out["why"] = ("parameters not compared: " + "; ".join(why)) if why else None
+    _unpaired_why(out, why, "global shape (a fused projection against its parts, a weight no op read where unread "
+                  "ones were not fingerprinted)")
     return out
 
 
