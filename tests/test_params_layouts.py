@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 import divtrace  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
-from sharded_cases import FSDP_IDS, IDS, single, tiny_llama  # noqa: E402
+from sharded_cases import FSDP_IDS, IDS, bits_equal, capture, single, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.gloo  # a process group (gloo): .ci/run's stage of its own
 
@@ -91,6 +91,7 @@ def worker(rank, world, model_dir, root):
             m.model.layers[0].self_attn.q_proj.weight.to_local()[7, 2] += 2.0 ** -8
         with divtrace.record(m, os.path.join(root, "fsdp-read-hash"), mode="hash"):
             m(torch.tensor(FSDP_IDS[rank]))
+    truth["fsdp-read-hooks"] = capture(m, FSDP_IDS[rank])[0]  # (plain forward hooks: this rank's sequence)
     # torch's parallelize_module; a DTensor weight no op reads, planted in rank 1's block (global rows 16-31)
     from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -120,7 +121,8 @@ def runs(tmp_path_factory):
     try:
         for mode in ("full", "hash"):  # (params="blocks": whole weights' chunk partials, so hash mode names blocks)
             single(model, str(root / f"one-{mode}"), "float32", mode, params="blocks")
-            single(model, str(root / f"one2-{mode}"), "float32", mode, ids=[s[0] for s in FSDP_IDS], params="blocks")
+            one2 = single(model, str(root / f"one2-{mode}"), "float32", mode, ids=[s[0] for s in FSDP_IDS],
+                          params="blocks")[0]
         single(model, str(root / "one-default-hash"), "float32", "hash")  # (params="all": no chunk partials)
         from transformers import LlamaForCausalLM
 
@@ -133,6 +135,7 @@ def runs(tmp_path_factory):
         spare = {n: t.detach().clone() for n, t in s.named_parameters()}
     finally:
         torch.set_num_threads(threads)
+    ranks[0]["one2-hooks"] = one2  # (the one process's captures of both sequences: row r is rank r's)
     return root, ranks, whole, spare
 
 
@@ -335,3 +338,34 @@ def r_view(root):
     from divtrace.align.shards import open_side
 
     return open_side(str(root / "runs" / "fsdp-read-hash"))
+
+
+def test_fsdp2_read_weight_planted_first_token_and_its_records_are_one_ranks(runs):
+    """Both ranks read the weight planted in rank 1's shard, so both sequences' tokens differ from the one process's
+    at the same op. The first token named is the first whose logits row differs (hooks: the lowest position, then
+    the lower rank), and the origin's records, its rank_call and the parameter's rank are that token's rank's.
+    Before: the token was the lowest by (position, content hash) while the records were another walk's: rank 0's
+    token with rank 1's records (index, region, "on rank 1")."""
+    root, ranks, _, _ = runs
+    one = ranks[0]["one2-hooks"]
+    differs = {}  # (position, rank) -> (logits row differs, q_proj input row equal, q_proj output row differs)
+    for r, got in enumerate(ranks):
+        caps = got["fsdp-read-hooks"]
+        for p in range(len(FSDP_IDS[r][0])):
+            q = "model.layers.0.self_attn.q_proj"
+            row = [(caps[m][i][0, p], one[m][i][r, p]) for m, i in (("lm_head", 1), (q, 0), (q, 1))]
+            differs[(p, r)] = (not bits_equal(*row[0]), bits_equal(*row[1]), not bits_equal(*row[2]))
+    p, rank = min(k for k, v in differs.items() if v[0])  # the first token whose logits row differs
+    assert differs[(p, rank)] == (True, True, True) and rank == 0  # (both ranks differ from position 1 on)
+    r = divtrace.bisect(str(root / "runs" / "fsdp-read-hash"), str(root / "one2-hash"))
+    d = r.to_dict()
+    f = d["first"]
+    assert f["module"] == "model.layers.0.self_attn.q_proj" and f["cause"] == "origin", d["reason"]
+    tok = f["token"]
+    assert (tok["position"], tok["a"]["rank"], tok["a"]["rank_call"]) == (p, rank, 0)
+    assert tok["seq"]["first_ids"] == FSDP_IDS[rank][0] and tok["b"]["batch_row"] == rank
+    seg = next(s for s in r_view(root).segments if s.rank == rank)
+    assert all(seg.ibase <= i < seg.iend for i in [f["index"], *(x["index"] for x in f["region_a"])])
+    assert seg.trace.rop[f["index"] - seg.ibase] == "aten.mm.default"  # (the rank's own trace, RUN/rank-R)
+    assert f"q_proj.weight on rank {rank} and differs" in f["outside_input"]
+    assert d["origins"][0]["token"] == tok and d["origins"][0]["tokens"] == sum(v[0] for v in differs.values())

@@ -93,7 +93,7 @@ def find_origins(sa: TraceTokens, sb: TraceTokens, views: TokenViews, explain: l
     for k in rest:
         groups.setdefault(first_module.get(k, (_LATE, None))[1], []).append(k)
     for g in groups.values():
-        g.sort(key=lambda k: (_pos_of(sa, k), k))
+        g.sort(key=lambda k: _first(sa, k))
     # Representatives: one per group first, then round robin, up to MAX_WALKS walks.
     reps: list[tuple] = []
     depth = 0
@@ -120,18 +120,22 @@ def find_origins(sa: TraceTokens, sb: TraceTokens, views: TokenViews, explain: l
             if k not in reps_keys:
                 walked[0].tokens.add(k)
         found.extend(walked)
+    # One origin per place: the walk of its first token (lowest position, then the earlier root call and row of
+    # side a: on a data-parallel / FSDP run view, the lower rank's sequence) names it, token and records alike.
+    # The same op of another rank's forward is another record of the view: the token and the records it names
+    # must be one walk's, never one walk's token with another's records.
     merged: dict = {}
     for o in found:
         sig = o.signature()
         have = merged.get(sig)
         if have is None:
             merged[sig] = o
-        else:
-            have.tokens |= o.tokens
-            have.note = have.note or o.note  # (some of its tokens it reaches through attention)
-            if (_pos_of(sa, o.key), o.key) < (_pos_of(sa, have.key), have.key):
-                have.key, have.cells = o.key, o.cells
-    return sorted(merged.values(), key=lambda o: (o.order, _pos_of(sa, o.key))), len(reps)
+            continue
+        if _first(sa, o.key) < _first(sa, have.key):
+            merged[sig], have, o = o, o, have
+        have.tokens |= o.tokens
+        have.note = have.note or o.note  # (some of its tokens it reaches through attention)
+    return sorted(merged.values(), key=lambda o: (o.order, _first(sa, o.key))), len(reps)
 
 
 class _Walkers:
@@ -413,3 +417,10 @@ def _cells(sa, sb, k):
 def _pos_of(sa: TraceTokens, k: int) -> int:
     cid, cell = sa.where[k]
     return sa.index.grids[cid].pos[cell]
+
+
+def _first(sa: TraceTokens, k: int) -> tuple:
+    """Which of two tokens comes first: the lower position, then side a's earlier root call and row."""
+    cid, cell = sa.where[k]
+    g = sa.index.grids[cid]
+    return g.pos[cell], g.root_call, cell, k
