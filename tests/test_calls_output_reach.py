@@ -90,3 +90,81 @@ def test_a_difference_that_reaches_the_logits_is_still_the_origin(tmp_path):
     assert b["up"] is not None
     d = divtrace.bisect(str(tmp_path / "a"), str(tmp_path / "b"), align="calls").to_dict()
     assert d["first"]["module"] == "model.layers.1.mlp.up_proj" and d["absorbed"] == [], (d["first"], d["absorbed"])
+
+
+class _Norm(torch.nn.Module):
+    """Writes its output in place into a buffer it shares with the head, through a view of it (no op's output is
+    the buffer's new value: the trace records it as bytes from outside, with no producer)."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = [owner]
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        self.owner[0].buf[: x.shape[0]].copy_(y)
+        return y
+
+
+class _Head(torch.nn.Module):
+    """Reads the rows it is given (its only input: indices) from that buffer."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = [owner]
+        self.lin = torch.nn.Linear(16, 32, bias=False)
+
+    def forward(self, idx):
+        return self.lin(self.owner[0].buf.index_select(0, idx))
+
+
+class _BufModel(torch.nn.Module):
+    def __init__(self, registered: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        if registered:
+            self.register_buffer("buf", torch.zeros(8, 16))
+        else:
+            self.buf = torch.zeros(8, 16)  # (a plain attribute: no name in the trace)
+        self.layer = torch.nn.Linear(16, 16)
+        self.norm = _Norm(self)
+        self.head = _Head(self)
+
+    def forward(self, x, idx):
+        self.norm(self.layer(x))
+        return self.head(idx)
+
+
+@pytest.mark.parametrize("mode,registered", [("full", False), ("hash", True)])
+def test_a_difference_reaching_the_head_through_a_buffer_written_in_place_is_the_origin(tmp_path, mode, registered):
+    """Every differing output (the logits) is the head's, whose input (the row indices) is equal on both sides; but
+    the head reads the buffer the norm wrote in place, so the layer's planted weight reaches it. Before: the walk
+    entered the head, named its index_select (the buffer as an outside input) and listed layer and norm as absorbed.
+    Now the head's outside reads (the buffer, which differs) keep the first-in-order rule: layer is the origin."""
+    x, idx = torch.linspace(-2, 2, 6 * 16).reshape(6, 16), torch.tensor([5])
+    seen = {}
+    for side in ("a", "b"):
+        m = _BufModel(registered)
+        with torch.no_grad():
+            if side == "b":
+                m.layer.weight[2, 3] += 2.0 ** -6
+        hooks = [mod.register_forward_hook(lambda mod, a, o, n=n, s=side: seen.__setitem__((s, n), (a, o)))
+                 for n, mod in m.named_modules() if n]
+        with torch.no_grad(), divtrace.record(m, str(tmp_path / side), mode=mode):
+            m(x, idx)
+        for h in hooks:
+            h.remove()
+
+    def equal(n, i):
+        a, b = seen[("a", n)][i], seen[("b", n)][i]
+        a, b = (a,) if isinstance(a, torch.Tensor) else a, (b,) if isinstance(b, torch.Tensor) else b
+        return all(torch.equal(p, q) for p, q in zip(a, b))
+    # Ground truth (plain hooks): layer's input equal, its output not (the origin); the head's input equal, its
+    # output not (reached through the buffer)
+    assert equal("layer", 0) and not equal("layer", 1) and not equal("norm", 1)
+    assert equal("head", 0) and not equal("head", 1)
+    d = divtrace.bisect(str(tmp_path / "a"), str(tmp_path / "b"), align="calls").to_dict()
+    assert d["verdict"] == "diverged" and d["first"]["module"] == "layer" and d["first"]["cause"] == "origin", \
+        (d["first"], d["absorbed"])
+    assert d["absorbed"] == []

@@ -6,7 +6,9 @@ That child's difference may reach no output of the call: with HF's `logits_to_ke
 token's row of the decoder's output is never read by lm_head, which reads the last row only, while the logits differ
 for lm_head's own reason (another kernel, another weight). Where every differing output of the call is the output of
 one later child whose inputs were all compared and are equal, and no op inside that child reads a value that a
-recorded op outside it wrote other than through those inputs (a KV cache written in place, say), no earlier
+recorded op outside it wrote other than through those inputs (a KV cache written in place, say), and every
+value it reads from outside with no recorded producer is a named parameter or bitwise equal on both sides (a buffer
+an earlier module wrote into through a view, or a kernel torch does not see, carries no record), no earlier
 difference can reach those outputs: the walk enters that child, and each earlier child that differs is passed over
 (bisect lists it under `absorbed`, never as the origin). Anything less proven keeps the first-in-order rule.
 
@@ -35,8 +37,9 @@ def reaching_child(walker, ca, cb):
     earlier = [(ya, yb) for ya, yb in kids[:i] if walker.differs(ya, yb)]
     if not earlier or not _inputs_equal(cmp, xa, xb):
         return None
-    if not (_reads_only_its_inputs(walker.a, xa) and _reads_only_its_inputs(walker.b, xb)):
-        return None
+    outside_a, outside_b = _outside_reads(walker.a, xa), _outside_reads(walker.b, xb)
+    if outside_a is None or outside_b is None or outside_a != outside_b:
+        return None  # (an earlier op's difference may come in other than through the inputs)
     return xa, xb, earlier
 
 
@@ -47,18 +50,31 @@ def _inputs_equal(cmp, xa, xb) -> bool:
             and all(cmp.same(va, vb) for _, va, vb in pairs))
 
 
-def _reads_only_its_inputs(t, call) -> bool:
-    """Whether every op inside `call` reads only its inputs, values made inside it, and values no recorded op made
-    (parameters, buffers, what came from before the recording). Needs the ops recorded and the call returned."""
+def _outside_reads(t, call) -> set | None:
+    """The keys of the values that ops inside `call` read from outside it with no recorded producer, other than its
+    inputs and the parameters the trace names (a weight as read: a difference of its own is the call's own reason):
+    bytes written in place through a view of a tensor (a buffer an earlier module wrote its output into), or by a
+    kernel torch does not see, which may carry an earlier op's difference unless both sides read the same bytes.
+    None where an op reads a value an earlier recorded op made (other than through the inputs), or where the ops
+    were not recorded or the call did not return: not proven."""
+    from divtrace.compare.params import name_of_value
+
     if not (getattr(t, "meta", None) or {}).get("ops") or call.exit_index is None:
-        return False
+        return None
     rin, vprod = getattr(t, "rin", None), getattr(t, "vprod", None)
     if rin is None or vprod is None:
-        return False
-    mine = {v for _, v in call.inputs}
+        return None
+    mine, keys = {v for _, v in call.inputs}, set()
     for i in range(call.enter_index + 1, min(call.exit_index, len(rin))):
         for v in rin[i] or ():
+            if v in mine:
+                continue
             p = vprod.get(v)
-            if p is not None and p < call.enter_index and v not in mine:
-                return False
-    return True
+            if p is not None:
+                if p < call.enter_index:
+                    return None
+                continue
+            named = name_of_value(t, v)
+            if named is None or named[0] != "parameter":
+                keys.add(t.vkey[v])
+    return keys
