@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
-from divtrace.trace.param_names import combine_hex
+from divtrace.trace.hashing.spec import combine_hex
 
 _ROWS = 16  # differing rows named (full mode)
 

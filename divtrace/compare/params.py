@@ -48,7 +48,7 @@ def compare_parameters(ta, tb, path_map=None) -> dict:
     for rank, a, b in pairs:
         na, nb = _mapped(_read(a), path_map, "a"), _mapped(_read(b), path_map, "b")
         if na is None or nb is None:
-            missing += [t.path for t, n in ((a, na), (b, nb)) if n is None]
+            missing += [t for t, n in ((a, na), (b, nb)) if n is None]
             out["not_compared"] += len(set((na or nb).values) if (na or nb) is not None else ())
             continue
         _compare(a, b, na, nb, rank, out)
@@ -62,7 +62,7 @@ def compare_parameters(ta, tb, path_map=None) -> dict:
                 out["replicas"] += _replicas(side, got, label, laid_only=True)
     why = []
     if missing:
-        why.append(f"{NO_NAMES} ({missing[0]}: {_why_missing(missing[0])})")
+        why.append(f"{NO_NAMES} ({missing[0].path}: {_why_missing(missing[0])})")
     _unpaired_why(out, why, "shape (a fused projection against its parts, a rank's block against a whole weight, a "
                   "weight no op read where unread ones were not fingerprinted)")
     return out
@@ -85,15 +85,10 @@ def _read(t):
     return read_param_names(t)
 
 
-def _why_missing(path) -> str:
-    from pathlib import Path
-    import json
-
-    try:
-        if json.loads((Path(path) / "meta.json").read_text()).get("params") == "none":
-            return "recorded with params='none' (--params none): record both runs naming them to compare them"
-    except (OSError, ValueError, AttributeError):
-        pass
+def _why_missing(t) -> str:
+    """Why trace `t` holds no names (its meta.json, read when it was opened, says whether params='none' did it)."""
+    if (getattr(t, "meta", None) or {}).get("params") == "none":
+        return "recorded with params='none' (--params none): record both runs naming them to compare them"
     return "recorded by a divtrace that did not name parameters; record both runs with this one to compare them"
 
 
@@ -149,7 +144,7 @@ def _compare_global(ta, tb, path_map, out: dict) -> dict:
         bad = next(t for side in (ta, tb) for t in _traces(side) if _read(t) is None)
         names = [_read(t) for side in (ta, tb) for t in _traces(side)]
         out["not_compared"] = len({n for p in names if p is not None for n in p.values})
-        out["why"] = f"parameters not compared: {NO_NAMES} ({bad.path}: {_why_missing(bad.path)})"
+        out["why"] = f"parameters not compared: {NO_NAMES} ({bad.path}: {_why_missing(bad)})"
         return out
     layouts_of = _layouts_of(ta, tb)
     (ga, ka), (gb, kb) = (pg.gather(s, layouts_of) for s in sides)

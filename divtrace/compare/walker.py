@@ -21,6 +21,7 @@ from math import prod
 
 from divtrace.align.calls import Pairing
 from divtrace.compare.op_kinds import computing, constant_derived, writes_in_place
+from divtrace.compare.output_reach import reaching_child
 from divtrace.compare.params import name_of_value
 from divtrace.compare.results import Divergence
 from divtrace.compare.values import ValueComparator
@@ -121,8 +122,6 @@ class OriginWalker:
         m = self.in_mismatch(ca, cb)
         if m is not None:
             return self.divergence(ca, cb, m[1], m[2], f"input {m[0]}", "propagated")
-        from divtrace.compare.output_reach import reaching_child
-
         reach = reaching_child(self, ca, cb)
         if reach is not None:  # the differing outputs come from a later child whose inputs are equal
             self.passed_over += reach[2]

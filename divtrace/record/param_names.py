@@ -163,10 +163,20 @@ def _land(on_device) -> None:
             where[key] = h
 
 
-def _chunk_partials(t, on_device) -> list:
-    """[[dim, [[start, length, partial], ..]], ..] of whole parameter `t`: along dim 0 and its last dim."""
+def _partial_into(where, key, x, shape, offsets, on_device) -> None:
+    """where[key] = the partial fingerprint of block `x` of a value of `shape` at `offsets`: at once from the C kernel
+    on the host, else left on the device for `_land`'s one read."""
     from divtrace.trace.hashing.tensor import partial_hex, tensor_partial
 
+    h = partial_hex(x, shape, offsets) if _read_on_host(x) else None
+    if h is None:
+        on_device.append((where, key, tensor_partial(x, shape, offsets).reshape(-1)))
+    else:
+        where[key] = h
+
+
+def _chunk_partials(t, on_device) -> list:
+    """[[dim, [[start, length, partial], ..]], ..] of whole parameter `t`: along dim 0 and its last dim."""
     out, shape = [], list(t.shape)
     for dim in sorted({0, t.dim() - 1}):
         n = shape[dim]
@@ -177,11 +187,7 @@ def _chunk_partials(t, on_device) -> list:
             x = t.narrow(dim, s, e - s)
             offsets = [s if d == dim else 0 for d in range(t.dim())]
             entry = [s, e - s, None]
-            h = partial_hex(x, shape, offsets) if _read_on_host(x) else None
-            if h is None:
-                on_device.append((entry, 2, tensor_partial(x, shape, offsets).reshape(-1)))
-            else:
-                entry[2] = h
+            _partial_into(entry, 2, x, shape, offsets, on_device)
             got.append(entry)
         out.append([dim, got])
     return out
@@ -197,7 +203,6 @@ def _block_layout(t, loc, on_device) -> dict | None:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         from divtrace.record.placements import _placement_code
-        from divtrace.trace.hashing.tensor import partial_hex, tensor_partial
 
         codes = [_placement_code(p, t.dim()) for p in placements]
         if any(c is None or c[0] not in "SR" for c in codes):
@@ -207,11 +212,7 @@ def _block_layout(t, loc, on_device) -> dict | None:
             return None
         out = {"p": codes, "g": list(t.shape), "o": [int(o) for o in offsets]}
         if any(c[0] == "S" for c in codes):
-            h = partial_hex(loc.detach(), out["g"], out["o"]) if _read_on_host(loc) else None
-            if h is None:
-                on_device.append((out, "h", tensor_partial(loc.detach(), out["g"], out["o"]).reshape(-1)))
-            else:
-                out["h"] = h
+            _partial_into(out, "h", loc.detach(), out["g"], out["o"], on_device)
         return out
     except Exception:  # (a mesh this rank is not in, a placement torch cannot place: no layout rather than a wrong one)
         return None

@@ -11,9 +11,9 @@ Written by divtrace.record.param_names; one JSON object per line:
   full mode too), only its fingerprint, in the trace's scheme. A DTensor parameter's line adds `"lay": {"p":
   [placement per mesh dim], "g": global shape, "o": this rank's offsets, "h": partial fingerprint}` (as a value's
   layout in layouts.jsonl: divtrace.trace.layouts), so its block is put together with the other ranks' blocks.
-- `{"name": ..., "kind": ..., "ch": [[dim, [[start, length, partial], ..]], ..]}` (a parameter that is not a
-  DTensor and that an op read, at the block's end, in hash mode; one no op read has `ch` on its fingerprint line,
-  in both modes): the partial fingerprints of its chunks along `dim` at their global
+- `{"name": ..., "kind": ..., "ch": [[dim, [[start, length, partial], ..]], ..]}` (record's `params="blocks"` only:
+  a parameter that is not a DTensor and that an op read, at the block's end, in hash mode; one no op read has `ch`
+  on its fingerprint line, in both modes): the partial fingerprints of its chunks along `dim` at their global
   offsets (the lane-gsum128-v2 scheme: they sum to its fingerprint), so a rank's block of another run's layout
   (rows 32-63 of a TP=2 run's vocab block) is compared with the same rows of this whole weight with no bytes.
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from divtrace.trace.files import compact_encoder
+from divtrace.trace.hashing.spec import combine_hex
 
 PARAMS = "params.jsonl"
 KINDS = ("parameter", "buffer")
@@ -179,12 +180,3 @@ def _spans(ch, n: int) -> list:
         out.append((at, k))
         at += k
     return out if at == n else []
-
-
-def combine_hex(partials) -> str:
-    """The fingerprint the hex partial fingerprints sum to (as hashing.tensor.combine_hex, without torch: a hash-mode
-    bisect never imports it)."""
-    from divtrace.trace.hashing.spec import MASK, to_hex
-
-    pairs = [(int(h[:16], 16), int(h[16:], 16)) for h in partials]
-    return to_hex(sum(p[0] for p in pairs) & MASK, sum(p[1] for p in pairs) & MASK)

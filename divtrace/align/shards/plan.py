@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from math import prod
 
 from divtrace.align.shards.keys import RankLocal, ReplicaMismatch
-from divtrace.trace.hashing.spec import MASK, to_hex
+from divtrace.trace.hashing.spec import combine_hex
 
 _COMPUTE_RULES = {"mm", "addmm", "linear", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
                   "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -77,15 +77,6 @@ def _signature(t) -> tuple | None:
     if not roots:
         return None
     return tuple(t.vkey[v] for _, v in roots[0].inputs)
-
-
-def combine_hex(partials) -> str:
-    """The fingerprint whose blocks gave the hex `partials` (hashing.tensor.combine_hex, without torch)."""
-    h0 = h1 = 0
-    for h in partials:
-        h0 += int(h[:16], 16)
-        h1 += int(h[16:], 16)
-    return to_hex(h0 & MASK, h1 & MASK)
 
 
 def _record_sig(t, i: int):

@@ -73,6 +73,16 @@ def to_hex(h0: int, h1: int) -> str:
     return f"{h0 & MASK:016x}{h1 & MASK:016x}"
 
 
+def combine_hex(partials) -> str:
+    """The fingerprint whose blocks gave the stored hex `partials`: their sum, per half, mod 2**64 (plain integers,
+    no torch: a hash-mode bisect never imports it)."""
+    h0 = h1 = 0
+    for h in partials:
+        h0 += int(h[:16], 16)
+        h1 += int(h[16:], 16)
+    return to_hex(h0, h1)
+
+
 def value_bytes(t) -> bytes:
     """A torch tensor's bytes in logical order (bool one byte each, complex as real and imaginary parts)."""
     import torch

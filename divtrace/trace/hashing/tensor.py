@@ -17,7 +17,7 @@ from divtrace.trace.hashing.base import STATS_KIND as _STATS_KIND, block_sums, f
 from divtrace.trace.hashing import TENSOR_SCHEME, lanes, weights
 from divtrace.trace.hashing.boxes import Runs, box, global_strides
 from divtrace.trace.hashing.lanes import RunLanes, run_sums, stream_bytes, whole_lanes
-from divtrace.trace.hashing.spec import BLOCK, MASK, to_hex as _hex
+from divtrace.trace.hashing.spec import BLOCK, combine_hex, to_hex as _hex  # noqa: F401 (combine_hex: re-exported)
 from divtrace.trace.hashing.weights import i64
 from divtrace.trace.memo import bounded_put
 from divtrace.trace.records import json_safe
@@ -130,10 +130,6 @@ def from_hex(h: str) -> tuple[int, int]:
     return int(h[:16], 16), int(h[16:], 16)
 
 
-def combine_hex(partials) -> str:
-    """`combine` on stored hex partials."""
-    pairs = [from_hex(h) for h in partials]
-    return _hex(sum(p[0] for p in pairs) & MASK, sum(p[1] for p in pairs) & MASK)
 
 
 def tensor_hash(t: torch.Tensor) -> str:
